@@ -1,0 +1,131 @@
+"""HDF5: raw samples in one uint8 [N,H,W,C] dataset chunked one image per chunk;
+encoded samples in a flat uint8 byte dataset plus an offsets dataset.
+
+Readable by ``h5ls``/``h5dump``/plain h5py.  Files are opened read-only with
+file locking off (safe for sealed archives, and needed on Lustre/NFS), and a
+handle inherited through fork is closed in the child before reopening: HDF5
+would otherwise hand the child the parent's file id.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Tuple
+
+import h5py
+import numpy as np
+
+from ..errors import ArchiveNotFoundError, CorruptArchiveError, IncompleteArchiveError, UnknownFormatError
+from ..index import SampleIndex
+from ..manifest import ArchiveManifest
+from .base import Reader, Writer
+
+MANIFEST_ATTR = "packed_formats_manifest"
+CHUNK_CACHE_BYTES = 4 << 20
+_ENCODED_CHUNK = 1 << 16
+_INDEX_NAMES = ("labels", "keys", "crc32", "offsets")
+
+
+class _Handle:
+    """An open file and its sample dataset (looked up once, not per read)."""
+
+    def __init__(self, file: h5py.File, data: h5py.Dataset) -> None:
+        self.file, self.data = file, data
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class HDF5Writer(Writer):
+    format_name = "hdf5"
+
+    def _begin(self, temp_path: str) -> None:
+        self._file = h5py.File(temp_path, "w")
+        self._capacity = 0
+        self._filled = 0
+        if self.mode == "raw":
+            self._data = self._file.create_dataset(
+                "images", shape=(0,) + self.shape, maxshape=(None,) + self.shape, dtype=np.uint8, chunks=(1,) + self.shape
+            )
+        else:
+            self._data = self._file.create_dataset(
+                "data", shape=(0,), maxshape=(None,), dtype=np.uint8, chunks=(_ENCODED_CHUNK,)
+            )
+
+    def _grow(self, needed: int) -> None:
+        if needed > self._capacity:
+            self._capacity = max(needed, 2 * self._capacity, 64 if self.mode == "raw" else 1 << 20)
+            self._data.resize(self._capacity, axis=0)
+
+    def _append(self, blob: bytes, i: int) -> int:
+        array = np.frombuffer(blob, dtype=np.uint8)
+        if self.mode == "raw":
+            self._grow(i + 1)
+            self._data[i] = array.reshape(self.shape)
+        else:
+            self._grow(self._filled + len(array))
+            self._data[self._filled : self._filled + len(array)] = array
+            self._filled += len(array)
+        return -1
+
+    def _finish(self, index: SampleIndex, manifest: ArchiveManifest) -> None:
+        self._data.resize(len(index) if self.mode == "raw" else self._filled, axis=0)
+        for name, array in index.arrays().items():
+            self._file.create_dataset(name, data=array)
+        self._file.attrs[MANIFEST_ATTR] = manifest.to_json()  # the seal, written last
+        self._file.close()
+
+    def _abort(self) -> None:
+        try:
+            self._file.close()
+        except Exception:
+            pass
+
+
+class HDF5Reader(Reader):
+    format_name = "hdf5"
+
+    def _open(self) -> _Handle:
+        if not os.path.exists(self.path):
+            raise ArchiveNotFoundError(self.path, "no such file")
+        try:
+            file = h5py.File(self.path, "r", locking=False, rdcc_nbytes=CHUNK_CACHE_BYTES)
+        except OSError as exc:
+            raise IncompleteArchiveError(
+                self.path, f"HDF5 cannot open it ({exc})", hint="the file is truncated, damaged or its writer was killed"
+            ) from None
+        name = "images" if "images" in file else "data"
+        if name not in file:
+            file.close()
+            raise UnknownFormatError(self.path, "an HDF5 file, but not a packed_formats archive (no images/data dataset)")
+        return _Handle(file, file[name])
+
+    @staticmethod
+    def _discard_inherited(handle: _Handle) -> None:
+        handle.close()  # else the child's reopen returns the parent's file id (h5py#934)
+
+    def _read_metadata(self, handle: _Handle) -> Tuple[ArchiveManifest, SampleIndex]:
+        file = handle.file
+        if MANIFEST_ATTR not in file.attrs:
+            raise IncompleteArchiveError(self.path, "no manifest: the archive was never sealed")
+        try:
+            manifest = ArchiveManifest.from_json(file.attrs[MANIFEST_ATTR])
+            index = SampleIndex.from_arrays({n: file[n][()] for n in _INDEX_NAMES if n in file})
+        except (OSError, KeyError, ValueError) as exc:
+            raise CorruptArchiveError(self.path, f"cannot read the archive index: {exc}") from None
+        return manifest, index
+
+    def _read_blob(self, handle: _Handle, i: int) -> np.ndarray:
+        try:
+            if self.manifest.mode == "raw":
+                return handle.data[i].reshape(-1)
+            return handle.data[int(self.index.offsets[i]) : int(self.index.offsets[i + 1])]
+        except OSError as exc:
+            raise self._corrupt(f"HDF5 read failed: {exc}", i) from None
+
+    def _read_raw_batch(self, handle: _Handle, idx: np.ndarray, out: np.ndarray) -> None:
+        for j, i in enumerate(idx):
+            try:
+                handle.data.read_direct(out, np.s_[int(i)], np.s_[j])
+            except OSError as exc:
+                raise self._corrupt(f"HDF5 read failed: {exc}", int(i)) from None

@@ -1,0 +1,1 @@
+"""One module per ``packed-formats`` sub-command (see packed_formats.cli)."""

@@ -1,0 +1,98 @@
+"""One exception tree for everything that can go wrong with an archive.
+
+Every error names the archive path and, where one is involved, the sample index
+and key, and says what to do about it.  The command line prints ``str(error)``
+without a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+
+class PackedFormatError(Exception):
+    """Base class: something is wrong with an archive or how it is used."""
+
+    def __init__(
+        self,
+        path: "os.PathLike[str] | str | None",
+        problem: str,
+        *,
+        index: Optional[int] = None,
+        key: Optional[str] = None,
+        hint: Optional[str] = None,
+    ) -> None:
+        self.path = None if path is None else os.fspath(path)
+        self.problem = problem
+        self.index = index
+        self.key = key
+        self.hint = hint
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        where = self.path if self.path is not None else "<no path>"
+        sample = ""
+        if self.index is not None or self.key is not None:
+            parts = []
+            if self.index is not None:
+                parts.append(f"index {self.index}")
+            if self.key is not None:
+                parts.append(f"key {self.key!r}")
+            sample = f" [sample {', '.join(parts)}]"
+        text = f"{where}{sample}: {self.problem}"
+        if self.hint:
+            text += f" ({self.hint})"
+        return text
+
+    def __reduce__(self):
+        # Keep the structured fields when an error crosses a DataLoader worker boundary.
+        return (_rebuild, (type(self), self.path, self.problem, self.index, self.key, self.hint))
+
+
+def _rebuild(cls, path, problem, index, key, hint):
+    return cls(path, problem, index=index, key=key, hint=hint)
+
+
+class ArchiveNotFoundError(PackedFormatError, FileNotFoundError):
+    """The path does not exist."""
+
+
+class UnknownFormatError(PackedFormatError):
+    """The path exists but is not an archive this library can read."""
+
+
+class FormatMismatchError(UnknownFormatError):
+    """The archive is of another format than the one asked for."""
+
+
+class CorruptArchiveError(PackedFormatError):
+    """The archive's structure is damaged (truncated, overwritten, unreadable)."""
+
+
+class IncompleteArchiveError(CorruptArchiveError):
+    """The archive was never sealed: its writer was killed or failed."""
+
+
+class ArchiveChangedError(PackedFormatError):
+    """The archive file was replaced or modified after it was opened."""
+
+
+class CorruptSampleError(PackedFormatError):
+    """One sample fails its checksum or cannot be decoded."""
+
+
+class SampleIndexError(PackedFormatError, IndexError):
+    """A sample index is out of range."""
+
+
+class ClosedArchiveError(PackedFormatError, ValueError):
+    """The reader or writer was used after close()."""
+
+
+class ArchiveExistsError(PackedFormatError, FileExistsError):
+    """The destination exists and overwriting was not asked for."""
+
+
+class InvalidSampleError(PackedFormatError, ValueError):
+    """A writer was given a sample it cannot store (wrong shape, not an image...)."""

@@ -1,0 +1,127 @@
+"""Per-sample index data (labels, keys, checksums, byte offsets) as numpy arrays.
+
+Never Python lists of per-sample objects: a forked DataLoader worker that
+touches every entry of a list dirties every page through reference counts and
+its memory grows over an epoch; numpy arrays stay shared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from typing import Dict, Optional, Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class SampleIndex:
+    """Arrays describing the samples of one archive.
+
+    labels int64[N]; keys 'S'[N] (UTF-8 relative paths); crc32 uint32[N] or None;
+    offsets int64[N+1] or None: sample i has ``offsets[i+1] - offsets[i]`` bytes,
+    at ``offsets[i]`` in a flat byte store, or at ``positions[i]`` in the file
+    when ``positions`` (int64[N]) is given.
+    """
+
+    labels: np.ndarray
+    keys: np.ndarray
+    crc32: Optional[np.ndarray] = None
+    offsets: Optional[np.ndarray] = None
+    positions: Optional[np.ndarray] = None
+
+    def __post_init__(self) -> None:
+        for name in ("labels", "keys", "crc32", "offsets", "positions"):
+            array = getattr(self, name)
+            if array is not None:
+                array.setflags(write=False)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def key(self, i: int) -> str:
+        return self.keys[i].decode("utf-8", "replace")
+
+    def arrays(self) -> Dict[str, np.ndarray]:
+        """The arrays to store, by name (absent ones left out)."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) is not None
+        }
+
+    @classmethod
+    def from_arrays(cls, arrays: Dict[str, np.ndarray]) -> "SampleIndex":
+        return cls(
+            labels=np.asarray(arrays["labels"], dtype=np.int64),
+            keys=np.asarray(arrays["keys"]),
+            crc32=_optional(arrays, "crc32", np.uint32),
+            offsets=_optional(arrays, "offsets", np.int64),
+            positions=_optional(arrays, "positions", np.int64),
+        )
+
+    def nbytes(self, i: int) -> int:
+        return int(self.offsets[i + 1] - self.offsets[i])
+
+
+def _optional(arrays: Dict[str, np.ndarray], name: str, dtype) -> Optional[np.ndarray]:
+    return None if name not in arrays else np.asarray(arrays[name], dtype=dtype)
+
+
+def encode_keys(keys: Sequence[str]) -> np.ndarray:
+    """UTF-8 keys as a fixed-width bytes array (at least 1 byte wide)."""
+    encoded = [k.encode("utf-8") for k in keys]
+    width = max([1] + [len(k) for k in encoded])
+    return np.array(encoded, dtype=f"S{width}")
+
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    """An array in .npy format (never pickled)."""
+    buffer = io.BytesIO()
+    np.save(buffer, np.ascontiguousarray(array), allow_pickle=False)
+    return buffer.getvalue()
+
+
+def from_npy_bytes(data: bytes) -> np.ndarray:
+    return np.load(io.BytesIO(data), allow_pickle=False)
+
+
+class IndexBuilder:
+    """Grows the index while a writer appends samples (amortised numpy growth)."""
+
+    def __init__(self) -> None:
+        self._columns = {
+            "labels": np.empty(1024, dtype=np.int64),
+            "crc32": np.empty(1024, dtype=np.uint32),
+            "sizes": np.empty(1024, dtype=np.int64),
+            "positions": np.empty(1024, dtype=np.int64),
+        }
+        self._keys: list = []  # str objects, held by the single writer process only
+        self.count = 0
+
+    def append(self, label: int, key: str, crc: int, size: int, position: int = -1) -> None:
+        if self.count == len(self._columns["labels"]):
+            for name, column in self._columns.items():
+                self._columns[name] = np.resize(column, 2 * self.count)
+        row = self.count
+        self._columns["labels"][row] = label
+        self._columns["crc32"][row] = crc
+        self._columns["sizes"][row] = size
+        self._columns["positions"][row] = position
+        self._keys.append(key)
+        self.count += 1
+
+    def build(self, offsets: bool = False, positions: bool = False) -> SampleIndex:
+        n = self.count
+        column = {name: values[:n].copy() for name, values in self._columns.items()}
+        offset_array = None
+        if offsets or positions:
+            offset_array = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum(column["sizes"], out=offset_array[1:])
+        return SampleIndex(
+            labels=column["labels"],
+            keys=encode_keys(self._keys),
+            crc32=column["crc32"],
+            offsets=offset_array,
+            positions=column["positions"] if positions else None,
+        )
