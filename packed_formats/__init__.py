@@ -5,7 +5,6 @@ __version__ = "0.1.0"
 
 from .backends import FORMATS, PACKED_FORMATS, detect_format, open_archive, open_writer
 from .backends.base import Reader, Writer
-from .dataset import PackedDataset
 from .errors import (
     ArchiveChangedError,
     ArchiveExistsError,
@@ -45,3 +44,24 @@ __all__ = [
     "open_archive",
     "open_writer",
 ]
+
+# torch takes seconds to import: what needs it loads on first use, so that
+# `import packed_formats` and `packed-formats info/verify/convert` start quickly.
+_LAZY = {
+    "PackedDataset": ".dataset",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module = importlib.import_module(_LAZY[name], __name__)
+        value = module if name == "transforms" else getattr(module, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

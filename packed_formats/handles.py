@@ -43,7 +43,9 @@ class _Table:
     opens: int = 0  # handles opened by this process, for diagnostics and tests
 
 
-_lock = threading.Lock()
+# Re-entrant: opening a handle can run the garbage collector, whose Reader.__del__
+# releases another handle from inside acquire() on the same thread.
+_lock = threading.RLock()
 _table = _Table()
 
 
@@ -154,9 +156,7 @@ class ProcessLocalHandle:
         pid = os.getpid()
         if self._held_in_pid != pid:
             # First use in this process (fresh, forked or unpickled reader).
-            handle = acquire(
-                self._handle_key(), self._open_handle, self._close_handle, self._discard_inherited
-            )
+            handle = acquire(self._handle_key(), self._open_handle, self._close_handle, self._discard_inherited)
             self._held_in_pid = pid
             return handle
         return _table.entries[self._handle_key()].handle

@@ -44,11 +44,7 @@ class SampleIndex:
 
     def arrays(self) -> Dict[str, np.ndarray]:
         """The arrays to store, by name (absent ones left out)."""
-        return {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if getattr(self, f.name) is not None
-        }
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
 
     @classmethod
     def from_arrays(cls, arrays: Dict[str, np.ndarray]) -> "SampleIndex":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from typing import Optional, Sequence, Tuple
 
@@ -79,5 +80,11 @@ def new_manifest(
         shape=None if shape is None else tuple(int(x) for x in shape),
         encoding=encoding,
         created_with=f"packed_formats {__version__}",
-        created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(_build_time())),
     )
+
+
+def _build_time() -> float:
+    """Now, or $SOURCE_DATE_EPOCH when set (reproducible builds: byte-identical archives)."""
+    epoch = os.environ.get("SOURCE_DATE_EPOCH", "")
+    return float(epoch) if epoch.strip().isdigit() else time.time()

@@ -58,7 +58,7 @@ def sniff_format(path: str) -> Optional[str]:
             return "lmdb"
         return "folder" if looks_like_image_folder(path) else None
     with open(path, "rb") as file:
-        head = file.read(24)
+        head = file.read(64)
     if head[:4] in (b"PK\x03\x04", b"PK\x05\x06"):
         return "zip"
     if head[:8] == b"\x89HDF\r\n\x1a\n":
@@ -88,7 +88,9 @@ def detect_format(path: "str | os.PathLike[str]", expected: Optional[str] = None
             hint=f"expected one of {', '.join(FORMATS)}; create one with `packed-formats convert`",
         )
     if expected is not None and found != expected:
-        raise FormatMismatchError(path, f"this is a {found} archive, not {expected}", hint=f"open it as format={found!r}")
+        raise FormatMismatchError(
+            path, f"this is a {found} archive, not {expected}", hint=f"open it as format={found!r}"
+        )
     return found
 
 

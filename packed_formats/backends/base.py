@@ -8,15 +8,16 @@ here, once, for every format.
 
 from __future__ import annotations
 
+import operator
 import os
 import shutil
 import uuid
-import zlib
 from typing import Any, ClassVar, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .. import codecs
+from ..checksum import crc32
 from ..errors import (
     ArchiveChangedError,
     ArchiveExistsError,
@@ -141,7 +142,9 @@ class Reader(ProcessLocalHandle):
         return self.manifest.count
 
     def __repr__(self) -> str:
-        m = self.manifest
+        m = getattr(self, "manifest", None)
+        if m is None:
+            return f"{type(self).__name__}({self.path!r}, not opened)"
         layout = f"shape={m.shape}" if m.mode == "raw" else f"encoding={m.encoding}"
         return f"{type(self).__name__}({self.path!r}, mode={m.mode}, count={m.count}, {layout})"
 
@@ -164,8 +167,8 @@ class Reader(ProcessLocalHandle):
         """i as a non-negative int, or SampleIndexError."""
         n = len(self)
         try:
-            j = int(i)
-        except (TypeError, ValueError):
+            j = operator.index(i)
+        except TypeError:
             raise SampleIndexError(self.path, f"sample index must be an integer, got {i!r}") from None
         if j < 0:
             j += n
@@ -232,7 +235,7 @@ class Reader(ProcessLocalHandle):
     def _check_crc(self, i: int, blob: Blob) -> None:
         if self.index.crc32 is None:
             return
-        actual = zlib.crc32(blob)
+        actual = crc32(blob)
         expected = int(self.index.crc32[i])
         if actual != expected:
             raise CorruptSampleError(
@@ -262,7 +265,8 @@ class Reader(ProcessLocalHandle):
             expected = n + 1 if name == "offsets" else n
             if len(array) != expected:
                 raise PackedFormatError(
-                    self.path, f"index array {name!r} has {len(array)} entries, manifest says {n} samples",
+                    self.path,
+                    f"index array {name!r} has {len(array)} entries, manifest says {n} samples",
                     hint=DAMAGED_HINT,
                 )
 
@@ -314,6 +318,7 @@ class Writer:
         if not os.path.isdir(parent):
             raise PackedFormatError(self.path, f"the destination directory {parent} does not exist")
         self.temp_path = temp_path_for(self.path)
+        self._pid = os.getpid()  # a forked child must never clean up its parent's output
         self._begin(self.temp_path)
 
     # ---- what a backend provides -------------------------------------------------
@@ -345,7 +350,7 @@ class Writer:
         label = self._check_label(label, i, key)
         blob = self._to_blob(sample, i, key)
         position = self._append(blob, i)
-        self._builder.append(label, key, zlib.crc32(blob), len(blob), position)
+        self._builder.append(label, key, crc32(blob), len(blob), position)
         return i
 
     def close(self) -> None:
@@ -383,7 +388,7 @@ class Writer:
             self.abort()
 
     def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
+        if not getattr(self, "_closed", True) and getattr(self, "_pid", None) == os.getpid():
             try:
                 self.abort()
             except Exception:

@@ -16,7 +16,6 @@ import numpy as np
 from ..errors import ArchiveNotFoundError, UnknownFormatError
 from ..index import SampleIndex, encode_keys
 from ..manifest import ArchiveManifest
-
 from .base import Reader
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")

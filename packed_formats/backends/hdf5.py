@@ -10,7 +10,7 @@ would otherwise hand the child the parent's file id.
 from __future__ import annotations
 
 import os
-from typing import Any, Tuple
+from typing import Tuple
 
 import h5py
 import numpy as np
@@ -45,7 +45,11 @@ class HDF5Writer(Writer):
         self._filled = 0
         if self.mode == "raw":
             self._data = self._file.create_dataset(
-                "images", shape=(0,) + self.shape, maxshape=(None,) + self.shape, dtype=np.uint8, chunks=(1,) + self.shape
+                "images",
+                shape=(0,) + self.shape,
+                maxshape=(None,) + self.shape,
+                dtype=np.uint8,
+                chunks=(1,) + self.shape,
             )
         else:
             self._data = self._file.create_dataset(
@@ -92,12 +96,16 @@ class HDF5Reader(Reader):
             file = h5py.File(self.path, "r", locking=False, rdcc_nbytes=CHUNK_CACHE_BYTES)
         except OSError as exc:
             raise IncompleteArchiveError(
-                self.path, f"HDF5 cannot open it ({exc})", hint="the file is truncated, damaged or its writer was killed"
+                self.path,
+                f"HDF5 cannot open it ({exc})",
+                hint="the file is truncated, damaged or its writer was killed",
             ) from None
         name = "images" if "images" in file else "data"
         if name not in file:
             file.close()
-            raise UnknownFormatError(self.path, "an HDF5 file, but not a packed_formats archive (no images/data dataset)")
+            raise UnknownFormatError(
+                self.path, "an HDF5 file, but not a packed_formats archive (no images/data dataset)"
+            )
         return _Handle(file, file[name])
 
     @staticmethod

@@ -10,12 +10,12 @@ environment inherited through fork is closed in the child before reopening
 from __future__ import annotations
 
 import os
-from typing import Any, Tuple
+from typing import Tuple
 
 import lmdb
 import numpy as np
 
-from ..errors import ArchiveNotFoundError, CorruptArchiveError, IncompleteArchiveError
+from ..errors import ArchiveNotFoundError, CorruptArchiveError, IncompleteArchiveError, PackedFormatError
 from ..index import SampleIndex, from_npy_bytes, npy_bytes
 from ..manifest import ArchiveManifest
 from .base import Reader, Writer
@@ -82,6 +82,12 @@ class LMDBReader(Reader):
                 self.path, subdir=subdir, readonly=True, lock=False, readahead=False, meminit=False, max_spare_txns=0
             )
         except lmdb.Error as exc:
+            if "already open" in str(exc):
+                raise PackedFormatError(
+                    self.path,
+                    "this process already has the LMDB environment open outside packed_formats",
+                    hint="lmdb allows one environment per file per process: close the other one first",
+                ) from None
             raise CorruptArchiveError(self.path, f"LMDB cannot open it ({exc})", hint="the file is damaged") from None
         data_file = os.path.join(self.path, "data.mdb") if subdir else self.path
         needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]

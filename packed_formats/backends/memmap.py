@@ -10,11 +10,18 @@ from __future__ import annotations
 
 import mmap
 import os
+import weakref
 from typing import Tuple
 
 import numpy as np
 
-from ..errors import ArchiveNotFoundError, CorruptArchiveError, IncompleteArchiveError, UnknownFormatError
+from ..errors import (
+    ArchiveChangedError,
+    ArchiveNotFoundError,
+    CorruptArchiveError,
+    IncompleteArchiveError,
+    UnknownFormatError,
+)
 from ..index import SampleIndex
 from ..manifest import ArchiveManifest
 from .base import Reader, Writer
@@ -135,7 +142,9 @@ class MemmapReader(Reader):
     def _read_metadata(self, _handle: None) -> Tuple[ArchiveManifest, SampleIndex]:
         manifest_path = os.path.join(self.path, MANIFEST)
         if not os.path.exists(manifest_path):
-            if os.path.exists(os.path.join(self.path, "images.npy")) or os.path.exists(os.path.join(self.path, "data.npy")):
+            if os.path.exists(os.path.join(self.path, "images.npy")) or os.path.exists(
+                os.path.join(self.path, "data.npy")
+            ):
                 raise IncompleteArchiveError(self.path, "no manifest.json: the archive was never sealed")
             raise UnknownFormatError(self.path, "not a packed_formats memmap archive (no manifest.json)")
         try:
@@ -158,4 +167,40 @@ class MemmapReader(Reader):
         return handle.array[int(self.index.offsets[i]) : int(self.index.offsets[i + 1])]
 
     def _read_raw_batch(self, handle: _Mapped, idx: np.ndarray, out: np.ndarray) -> None:
-        np.take(handle.array, idx, axis=0, out=out)
+        """pread runs of consecutive samples straight into ``out``, in file order.
+
+        Copying from the page cache with pread is ~2x faster than gathering
+        from the mapping (which faults its pages in one by one); a sorted or
+        unshuffled batch is a few large reads.
+        """
+        if not out.flags.c_contiguous:
+            np.take(handle.array, idx, axis=0, out=out)
+            return
+        file, offset = _data_reader(handle, self)
+        sample = self.manifest.sample_nbytes
+        starts = np.flatnonzero(np.diff(idx, prepend=-2) != 1)
+        ends = np.append(starts[1:], len(idx))
+        for a, b in sorted(zip(starts.tolist(), ends.tolist()), key=lambda run: idx[run[0]]):
+            view, position = memoryview(out[a:b]).cast("B"), offset + int(idx[a]) * sample
+            while len(view):
+                got = os.preadv(file.fileno(), [view], position)
+                if got <= 0:
+                    raise self._corrupt("the data file is shorter than its header says", int(idx[a]))
+                view, position = view[got:], position + got
+
+
+def _data_reader(handle: _Mapped, reader: MemmapReader) -> Tuple[object, int]:
+    """(file, data offset) of the mapped file, opened once per handle and checked to be the same file."""
+    cached = getattr(handle, "pread_file", None)
+    if cached is None:
+        file = open(reader._data_file(), "rb", buffering=0)
+        st = os.fstat(file.fileno())
+        if reader._fingerprint not in (None, (st.st_ino, st.st_size, st.st_mtime_ns)):
+            file.close()
+            raise ArchiveChangedError(reader.path, "the archive was replaced or modified after it was opened")
+        version = np.lib.format.read_magic(file)
+        header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        header(file)
+        cached = handle.pread_file = (file, file.tell())
+        weakref.finalize(handle, file.close)
+    return cached

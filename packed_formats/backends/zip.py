@@ -92,8 +92,12 @@ class ZipReader(Reader):
                 names = set(archive.namelist())
                 if MANIFEST not in names:
                     if any(n.startswith("samples/") for n in names):
-                        raise IncompleteArchiveError(self.path, "the ZIP has samples but no manifest: it was never sealed")
-                    raise UnknownFormatError(self.path, "a ZIP file, but not a packed_formats archive (no manifest.json)")
+                        raise IncompleteArchiveError(
+                            self.path, "the ZIP has samples but no manifest: it was never sealed"
+                        )
+                    raise UnknownFormatError(
+                        self.path, "a ZIP file, but not a packed_formats archive (no manifest.json)"
+                    )
                 manifest = ArchiveManifest.from_json(archive.read(MANIFEST))
                 arrays = {
                     n[len(INDEX_DIR) : -len(".npy")]: from_npy_bytes(archive.read(n))

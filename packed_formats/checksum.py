@@ -1,0 +1,20 @@
+"""The per-sample checksum: CRC32 (the same value ZIP stores for each member).
+
+ISA-L's CRC32 (package ``isal``) runs at memory speed (~20 GB/s measured here,
+faster than copying the sample); zlib's is a fallback at ~1 GB/s, which would
+cost more than reading a raw sample.
+"""
+
+from __future__ import annotations
+
+try:
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # pragma: no cover - isal is a dependency where wheels exist
+    from zlib import crc32 as _crc32
+
+KIND = "crc32"
+
+
+def crc32(data) -> int:
+    """CRC32 of any buffer (bytes, memoryview, contiguous numpy array)."""
+    return _crc32(data)

@@ -1,0 +1,74 @@
+"""Shared fixtures: a small generated ImageFolder and archives of every format and mode."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import packed_formats as pf
+from packed_formats import codecs
+from packed_formats.synthetic import make_image_folder
+
+RAW_SHAPE = (24, 32, 3)
+CLASSES = ("boxes", "circles", "stripes")
+PER_CLASS = 8  # 24 samples: small enough for spawn matrices, big enough to shard over workers
+
+ARCHIVE_KINDS = [(f, m) for f in pf.PACKED_FORMATS for m in ("raw", "encoded")]
+ALL_KINDS = ARCHIVE_KINDS + [("folder", "encoded")]
+
+
+def kind_id(kind):
+    return "-".join(kind)
+
+
+@pytest.fixture(scope="session")
+def image_folder(tmp_path_factory) -> str:
+    """An ImageFolder tree of 24 JPEGs of varied sizes in 3 classes."""
+    root = tmp_path_factory.mktemp("src") / "images"
+    return make_image_folder(root, images_per_class=PER_CLASS, classes=CLASSES, sizes=(40, 90), seed=1)
+
+
+def expected_samples(image_folder: str, mode: str):
+    """(stored sample, label, key) per source image, as an archive of `mode` should hold them."""
+    source = pf.open_archive(image_folder)
+    out = []
+    for i in range(len(source)):
+        data = source.read(i)
+        stored = data if mode == "encoded" else resize_raw(data)
+        out.append((stored, int(source.labels[i]), source.key(i)))
+    source.close()
+    return out
+
+
+def resize_raw(data: bytes) -> np.ndarray:
+    image = codecs.open_image(data).convert("RGB").resize((RAW_SHAPE[1], RAW_SHAPE[0]))
+    return np.asarray(image)
+
+
+def write_archive(path, fmt: str, mode: str, samples, classes=CLASSES) -> str:
+    with pf.open_writer(path, format=fmt, mode=mode, shape=RAW_SHAPE, classes=classes) as writer:
+        for stored, label, key in samples:
+            writer.add(stored, label, key)
+    return os.fspath(path)
+
+
+@pytest.fixture(scope="session")
+def archives(tmp_path_factory, image_folder):
+    """{(format, mode): path} for every packed format and mode, plus ("folder", "encoded")."""
+    root = tmp_path_factory.mktemp("archives")
+    made = {("folder", "encoded"): image_folder}
+    for fmt, mode in ARCHIVE_KINDS:
+        made[(fmt, mode)] = write_archive(root / f"data-{mode}.{fmt}", fmt, mode, expected_samples(image_folder, mode))
+    return made
+
+
+@pytest.fixture(params=ALL_KINDS, ids=kind_id)
+def kind(request):
+    return request.param
+
+
+@pytest.fixture(params=ARCHIVE_KINDS, ids=kind_id)
+def packed_kind(request):
+    return request.param

@@ -1,0 +1,147 @@
+"""Real multi-process loading: every start method, worker count and persistence."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import pickle
+import zlib
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import packed_formats as pf
+from packed_formats import codecs, handles
+
+from .probe import Probe, as_list
+
+START_METHODS = ["fork", "spawn", "forkserver"]
+
+
+def expected_crcs(dataset: pf.PackedDataset):
+    out = []
+    for i in range(len(dataset)):
+        stored = dataset.reader.read(i)
+        pixels = stored if isinstance(stored, np.ndarray) else codecs.decode(stored)
+        out.append(zlib.crc32(np.ascontiguousarray(pixels.transpose(2, 0, 1)).tobytes()))
+    return out
+
+
+def context(method):
+    ctx = multiprocessing.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(["tests.probe"])
+    return ctx
+
+
+def run_epochs(dataset, epochs=2, **loader_options):
+    loader = DataLoader(Probe(dataset), batch_size=5, shuffle=True, collate_fn=as_list, **loader_options)
+    return [[item for batch in loader for item in batch] for _ in range(epochs)]
+
+
+CONFIGS = [pytest.param(None, 0, False, id="main-process")] + [
+    pytest.param(method, 2, persistent, id=f"{method}-{'persistent' if persistent else 'fresh'}")
+    for method in START_METHODS
+    for persistent in (False, True)
+]
+
+
+@pytest.mark.parametrize("method,workers,persistent", CONFIGS)
+def test_every_sample_once_per_epoch_exact_and_read_by_its_own_handle(archives, kind, method, workers, persistent):
+    """The core safety test: the reader is touched in the main process first
+    (so a handle is open when workers start), then two epochs are loaded."""
+    dataset = pf.PackedDataset(archives[kind])
+    expected = expected_crcs(dataset)
+    dataset[0]
+    key = (dataset.reader.format_name, os.path.realpath(dataset.path))
+    assert handles.open_handles()[key][0] == os.getpid()
+    options = {"num_workers": workers}
+    if workers:
+        options.update(multiprocessing_context=context(method), persistent_workers=persistent)
+    epochs = run_epochs(dataset, **options)
+    for epoch in epochs:
+        assert sorted(item["index"] for item in epoch) == list(range(len(dataset)))
+        for item in epoch:
+            assert item["crc"] == expected[item["index"]], f"sample {item['index']} differs"
+            assert item["label"] == int(dataset.targets[item["index"]])
+            assert item["handle_pid"] == item["pid"], "a worker used a handle it did not open"
+            assert item["opens"] >= 1
+    if workers:
+        worker_pids = {item["pid"] for epoch in epochs for item in epoch}
+        assert os.getpid() not in worker_pids
+        assert len(worker_pids) == (2 if persistent else 4)
+    dataset.close()
+    assert key not in handles.open_handles()
+
+
+def test_creating_a_dataset_leaves_nothing_open(archives, kind):
+    before = set(handles.open_handles())
+    dataset = pf.PackedDataset(archives[kind])
+    assert set(handles.open_handles()) == before
+    dataset[1]
+    assert len(handles.open_handles()) == len(before) + 1
+    dataset.close()
+    assert set(handles.open_handles()) == before
+
+
+def test_datasets_pickle_as_a_description_and_read_after(archives, kind):
+    dataset = pf.PackedDataset(archives[kind])
+    first = dataset[3][0]  # an open handle must not travel
+    blob = pickle.dumps(dataset)
+    index_bytes = sum(a.nbytes for a in dataset.reader.index.arrays().values())
+    assert len(blob) < index_bytes + 4096
+    clone = pickle.loads(blob)
+    assert torch.equal(clone[3][0], first)
+    clone.close()
+    dataset.close()
+
+
+def open_fds():
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_no_file_descriptors_leak_after_loading(archives, kind, workers):
+    gc.collect()
+    before = open_fds()
+    dataset = pf.PackedDataset(archives[kind])
+    dataset[0]
+    run_epochs(dataset, epochs=1, num_workers=workers)
+    dataset.close()
+    gc.collect()
+    assert open_fds() - before == set()
+
+
+def test_closed_datasets_and_readers_refuse_to_read(archives, kind):
+    dataset = pf.PackedDataset(archives[kind])
+    dataset[0]
+    dataset.close()
+    with pytest.raises(pf.ClosedArchiveError, match=os.path.basename(archives[kind])):
+        dataset[0]
+    with pytest.raises(pf.ClosedArchiveError):
+        dataset.reader.read_many([0, 1])
+    assert dataset.reader.closed
+
+
+def test_two_datasets_on_one_path_share_one_handle_per_process(archives, packed_kind):
+    path = archives[packed_kind]
+    train, val = pf.PackedDataset(path), pf.PackedDataset(path)
+    assert torch.equal(train[2][0], val[2][0])
+    key = (train.reader.format_name, os.path.realpath(path))
+    assert handles.open_handles()[key][2] == 2  # two users of one handle
+    train.close()
+    assert torch.equal(val[5][0], pf.PackedDataset(path)[5][0])
+    val.close()
+
+
+def test_lmdb_survives_forty_epochs_of_fresh_workers(archives):
+    """Reader slots must not run out when workers come and go (RELIABILITY L3)."""
+    dataset = pf.PackedDataset(archives[("lmdb", "raw")])
+    dataset[0]  # the main process holds the environment throughout
+    loader = DataLoader(Probe(dataset), batch_size=6, num_workers=4, collate_fn=as_list)
+    for _ in range(40):
+        assert sorted(item["index"] for batch in loader for item in batch) == list(range(len(dataset)))
+    dataset.close()
