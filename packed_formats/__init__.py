@@ -5,6 +5,7 @@ __version__ = "0.1.0"
 
 from .backends import FORMATS, PACKED_FORMATS, detect_format, open_archive, open_writer
 from .backends.base import Reader, Writer
+from .convert import ConvertSummary, convert
 from .errors import (
     ArchiveChangedError,
     ArchiveExistsError,
@@ -29,6 +30,7 @@ __all__ = [
     "ArchiveManifest",
     "ArchiveNotFoundError",
     "ClosedArchiveError",
+    "ConvertSummary",
     "CorruptArchiveError",
     "CorruptSampleError",
     "FormatMismatchError",
@@ -40,6 +42,7 @@ __all__ = [
     "SampleIndexError",
     "UnknownFormatError",
     "Writer",
+    "convert",
     "detect_format",
     "open_archive",
     "open_writer",

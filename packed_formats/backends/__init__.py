@@ -12,6 +12,7 @@ from .hdf5 import HDF5Reader, HDF5Writer
 from .lmdb import LMDBReader, LMDBWriter
 from .memmap import MANIFEST as MEMMAP_MANIFEST
 from .memmap import MemmapReader, MemmapWriter
+from .sharded import ShardedReader, is_shard_index
 from .zip import ZipReader, ZipWriter
 
 READERS: Dict[str, Type[Reader]] = {
@@ -29,6 +30,7 @@ WRITERS: Dict[str, Type[Writer]] = {
 }
 FORMATS = tuple(READERS)
 PACKED_FORMATS = tuple(WRITERS)
+READERS["sharded"] = ShardedReader  # an index over parts in one of the formats above
 
 _LMDB_MAGIC = (0xBEEFC0DE).to_bytes(4, "little")
 
@@ -59,6 +61,8 @@ def sniff_format(path: str) -> Optional[str]:
         return "folder" if looks_like_image_folder(path) else None
     with open(path, "rb") as file:
         head = file.read(64)
+    if is_shard_index(head):
+        return "sharded"
     if head[:4] in (b"PK\x03\x04", b"PK\x05\x06"):
         return "zip"
     if head[:8] == b"\x89HDF\r\n\x1a\n":

@@ -1,0 +1,94 @@
+"""``packed-formats convert``: pack an image folder or archive into an archive."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .. import codecs
+from ..backends import PACKED_FORMATS
+from ..convert import ON_ERROR, ConversionInterrupted, convert
+from ..manifest import MODES
+from ..prepare import RESIZE_MODES, parse_size
+
+HELP = "pack an ImageFolder tree, a flat folder plus label file, or any archive into a zip/hdf5/lmdb/memmap archive"
+EXAMPLES = """examples:
+  packed-formats convert images/ train.zip --format zip --mode raw --size 128
+  packed-formats convert images/ train.h5 --format hdf5 --mode encoded          # keeps the JPEG bytes as they are
+  packed-formats convert images/ train.lmdb --format lmdb --mode encoded --size 256x256 --quality 90
+  packed-formats convert val/ val.memmap --format memmap --mode raw --size 224 \\
+      --resize-mode shorter-side-center-crop --labels val_labels.txt
+  packed-formats convert train.zip train-raw.memmap --format memmap --mode raw --size 64 --workers 8
+  packed-formats convert images/ train.zip --format zip --shard-size 100000   # train-00000.zip ... + index train.zip
+
+sources: root/<class>/<image> (classes = sorted folder names); a flat folder with --labels FILE
+(one integer per line in sorted file order, or CSV filename,label); or any archive this tool reads.
+Non-image files are skipped and counted; a corrupt image stops the conversion unless --on-error skip.
+Nothing appears at DST until the archive is complete and checked; Ctrl-C leaves DST untouched."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("src", metavar="SRC", help="image folder or archive to read")
+    parser.add_argument("dst", metavar="DST", help="archive to write (with --shard-size: the index)")
+    parser.add_argument("--format", choices=PACKED_FORMATS, help="archive format (default: from DST's extension)")
+    parser.add_argument("--mode", choices=MODES, default="encoded", help="raw pixels or encoded bytes")
+    parser.add_argument("--size", type=_size, metavar="N|HxW", help="resize to this size (required for raw)")
+    parser.add_argument("--resize-mode", choices=RESIZE_MODES, default="stretch", help="how to resize for --size")
+    parser.add_argument("--quality", type=_quality, default=90, help="JPEG quality when re-encoding (default 90)")
+    parser.add_argument("--encoding", choices=codecs.ENCODINGS, default="jpeg", help="format when re-encoding")
+    parser.add_argument("--labels", metavar="FILE", help="label file for a flat folder of images")
+    parser.add_argument("--workers", type=_positive, help="worker processes (default: available cores)")
+    parser.add_argument("--shard-size", type=_positive, metavar="N", help="split into parts of N samples plus an index")
+    parser.add_argument("--on-error", choices=ON_ERROR, default="raise", help="on an unreadable image (default raise)")
+    parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        summary = convert(
+            args.src,
+            args.dst,
+            format=args.format,
+            mode=args.mode,
+            size=args.size,
+            resize_mode=args.resize_mode,
+            quality=args.quality,
+            encoding=args.encoding,
+            labels=args.labels,
+            workers=args.workers,
+            shard_size=args.shard_size,
+            overwrite=args.overwrite,
+            on_error=args.on_error,
+            quiet=args.quiet,
+        )
+    except ConversionInterrupted as exc:
+        print(f"packed-formats convert: {exc}; nothing was written to {args.dst}", file=sys.stderr)
+        return 128 + exc.signum
+    if not args.quiet:
+        print(summary.line())
+    return 0
+
+
+def _size(text: str):
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _quality(text: str) -> int:
+    value = _positive(text)
+    if value > 100:
+        raise argparse.ArgumentTypeError(f"must be between 1 and 100, got {text!r}")
+    return value

@@ -1,0 +1,323 @@
+"""The conversion pipeline: a source -> parallel decode/resize/encode -> one writer -> an atomic archive.
+
+Worker processes prepare samples (prepare.Recipe) in chunks; the main process
+appends them to a single Writer in source order, so the same input gives a
+byte-identical archive whatever the number of workers (set SOURCE_DATE_EPOCH
+to pin the manifest's timestamp too).  The archive is written under a
+temporary name and moved into place only once sealed and spot-checked; an
+error, Ctrl-C, SIGTERM or SIGHUP removes every temporary file and leaves the
+destination as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from typing import Any, Iterator, List, Optional, Tuple
+
+from tqdm.auto import tqdm
+
+from . import codecs
+from .backends import PACKED_FORMATS, open_writer
+from .backends.base import remove_path
+from .backends.sharded import ShardedWriter, existing_parts, part_name
+from .errors import ArchiveExistsError, CorruptSampleError, PackedFormatError
+from .manifest import MODES
+from .parallel import WorkerDiedError, available_cores, ordered_map
+from .prepare import RESIZE_MODES, Recipe, parse_size
+from .sources import Source, open_source
+from .verify import disk_usage
+
+ON_ERROR = ("raise", "skip")
+FORMAT_BY_EXTENSION = {".zip": "zip", ".h5": "hdf5", ".hdf5": "hdf5", ".lmdb": "lmdb", ".mdb": "lmdb"}
+_TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.pf-tmp-(?P<pid>\d+)-[0-9a-f]{8}(-old)?$")
+
+
+class ConversionInterrupted(KeyboardInterrupt):
+    """The conversion was stopped by a signal (SIGINT, SIGTERM, SIGHUP); nothing was written."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+@dataclasses.dataclass
+class ConvertSummary:
+    """What a conversion did."""
+
+    source: str
+    destination: str
+    format: str
+    mode: str
+    samples: int
+    classes: int
+    skipped: int  # non-image files left out of the source
+    failed: List[str]  # unreadable images skipped with on_error="skip", as "path: problem"
+    bytes: int  # size on disk of everything written
+    seconds: float
+    layout: str  # "raw 128x128x3" or "encoded jpeg"
+    parts: List[str] = dataclasses.field(default_factory=list)  # shard files (empty when not sharded)
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.samples / self.seconds if self.seconds > 0 else float("inf")
+
+    def line(self) -> str:
+        """The one-line summary the command line prints."""
+        shards = f" in {len(self.parts)} parts" if self.parts else ""
+        return (
+            f"wrote {self.destination} ({self.format}, {self.layout}{shards}): {self.samples} samples, "
+            f"{self.classes} classes, {self.skipped} non-image files skipped, {len(self.failed)} bad images skipped, "
+            f"{_human_bytes(self.bytes)}, {self.seconds:.1f} s ({self.samples_per_second:.0f} samples/s)"
+        )
+
+
+def convert(
+    src: "str | os.PathLike[str]",
+    dst: "str | os.PathLike[str]",
+    *,
+    format: Optional[str] = None,
+    mode: str = "encoded",
+    size: "int | str | Tuple[int, int] | None" = None,
+    resize_mode: str = "stretch",
+    quality: int = 90,
+    encoding: str = "jpeg",
+    labels: "str | os.PathLike[str] | None" = None,
+    workers: Optional[int] = None,
+    shard_size: Optional[int] = None,
+    overwrite: bool = False,
+    on_error: str = "raise",
+    quiet: bool = False,
+) -> ConvertSummary:
+    """Pack ``src`` (ImageFolder tree, flat folder + ``labels`` file, or archive) into ``dst``.
+
+    Args:
+        format: zip, hdf5, lmdb or memmap (default: from dst's extension).
+        mode: "raw" (decoded pixels of ``size``, required unless src is raw) or
+            "encoded" (the source files' own bytes; resized and re-encoded
+            with ``encoding``/``quality`` when ``size`` is given).
+        size: N or "HxW" or (H, W); ``resize_mode`` "stretch" or "shorter-side-center-crop".
+        labels: label file for a flat folder: one integer per line (sorted file
+            order) or CSV ``filename,label``.
+        workers: processes that decode/resize/encode (default: available cores).
+        shard_size: write parts of this many samples plus an index at ``dst``.
+        on_error: "raise" stops at the first unreadable image; "skip" leaves it out.
+        quiet: no progress bar.
+
+    Raises:
+        PackedFormatError (bad source, existing destination, bad image),
+        ValueError (bad option), ConversionInterrupted / KeyboardInterrupt.
+    """
+    started = time.perf_counter()
+    src, dst = os.fspath(src), os.fspath(dst)
+    format = _check_options(dst, format, mode, resize_mode, quality, encoding, on_error, shard_size)
+    workers = available_cores() if workers is None else int(workers)
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
+    _check_destination(src, dst, overwrite)
+    clean_stale_temp_files(dst)
+    replaced_parts = existing_parts(dst) if overwrite else []
+    source = open_source(src, labels)
+    try:
+        recipe = _recipe(source, mode, size, resize_mode, encoding, quality)
+        with _signals_interrupt():
+            written, failed, parts = _run(source, dst, format, recipe, workers, shard_size, overwrite, on_error, quiet)
+    finally:
+        source.close()
+    for stale in set(replaced_parts) - set(parts):
+        remove_path(stale)  # parts of a sharded archive this conversion replaced
+    h, w = recipe.size or (0, 0)
+    return ConvertSummary(
+        source=src,
+        destination=dst,
+        format=format,
+        mode=recipe.mode,
+        samples=written,
+        classes=len(source.classes),
+        skipped=source.skipped,
+        failed=failed,
+        bytes=disk_usage(dst),
+        seconds=time.perf_counter() - started,
+        layout=f"raw {h}x{w}x3" if recipe.mode == "raw" else f"encoded {_encoding_label(recipe)}",
+        parts=parts,
+    )
+
+
+def _run(source, dst, format, recipe, workers, shard_size, overwrite, on_error, quiet) -> Tuple[int, List[str], list]:
+    """Prepare every sample in parallel and append them in order; publish; (written, failed, parts)."""
+    with ordered_map(_prepare_sample, (source, recipe), len(source), workers) as results:
+        output = _open_output(dst, format, recipe, source, shard_size, overwrite)
+        with output, tqdm(total=len(source), unit="img", desc="converting", disable=quiet, smoothing=0.05) as bar:
+            failed = _append_all(results, source, output, on_error, bar)
+            if len(output) == 0:
+                raise PackedFormatError(source.path, "no image could be converted", hint="see the errors above")
+            written = len(output)
+    return written, failed, getattr(output, "paths", [])[:-1]
+
+
+def _append_all(results: Iterator[Any], source: Source, output: Any, on_error: str, bar: Any) -> List[str]:
+    failed: List[str] = []
+    try:
+        for i, (ok, value) in enumerate(results):
+            bar.update(1)
+            if ok:
+                output.add(value, int(source.labels[i]), source.key(i))
+            elif on_error == "raise":
+                raise value
+            else:
+                failed.append(str(value))
+                tqdm.write(f"skipped: {value}", file=sys.stderr)
+    except WorkerDiedError as exc:
+        raise PackedFormatError(source.path, str(exc), hint="retry with fewer --workers") from None
+    return failed
+
+
+def _prepare_sample(context: Tuple[Source, Recipe], i: int) -> Tuple[bool, Any]:
+    """(True, stored sample) or (False, CorruptSampleError naming the file); runs in a worker."""
+    source, recipe = context
+    try:
+        return True, recipe.apply(source.load(i))
+    except codecs.DecodeError as exc:
+        error = CorruptSampleError(
+            source.location(i), str(exc), index=i, key=source.key(i), hint="fix or remove it, or use --on-error skip"
+        )
+        return False, error
+    except PackedFormatError as exc:
+        return False, exc
+    except Exception as exc:  # a decoder or resize failure we did not foresee: still name the file
+        error = CorruptSampleError(
+            source.location(i), f"cannot prepare the image: {exc!r}", index=i, key=source.key(i),
+            hint="fix or remove it, or use --on-error skip",
+        )
+        return False, error
+
+
+def _open_output(dst: str, format: str, recipe: Recipe, source: Source, shard_size, overwrite: bool) -> Any:
+    options = dict(
+        mode=recipe.mode,
+        shape=None if recipe.mode != "raw" else recipe.size + (3,),
+        classes=source.classes,
+        encoding=recipe.encoding,
+        quality=recipe.quality,
+    )
+    if shard_size:
+        return ShardedWriter(dst, format, int(shard_size), overwrite=overwrite, **options)
+    return open_writer(dst, format=format, overwrite=overwrite, **options)
+
+
+def _recipe(source: Source, mode: str, size, resize_mode: str, encoding: str, quality: int) -> Recipe:
+    hw = None if size is None else parse_size(size)
+    if mode == "raw" and hw is None:
+        if source.raw_shape is None:
+            raise ValueError("raw mode needs --size (e.g. --size 256 or --size 256x192)")
+        hw = source.raw_shape[:2]
+    return Recipe(mode=mode, size=hw, resize_mode=resize_mode, encoding=encoding, quality=quality)
+
+
+def _encoding_label(recipe: Recipe) -> str:
+    if recipe.size is None:
+        return "as in the source"
+    h, w = recipe.size
+    return f"{recipe.encoding} {h}x{w}"
+
+
+def _check_options(dst, format, mode, resize_mode, quality, encoding, on_error, shard_size) -> str:
+    if format is None:
+        format = FORMAT_BY_EXTENSION.get(os.path.splitext(dst)[1].lower())
+        if format is None:
+            raise ValueError(f"give --format ({', '.join(PACKED_FORMATS)}): cannot tell it from {dst!r}")
+    checks = [
+        ("format", format, PACKED_FORMATS),
+        ("mode", mode, MODES),
+        ("resize mode", resize_mode, RESIZE_MODES),
+        ("encoding", encoding, codecs.ENCODINGS),
+        ("on_error", on_error, ON_ERROR),
+    ]
+    for name, value, allowed in checks:
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+    if not 1 <= int(quality) <= 100:
+        raise ValueError(f"quality must be between 1 and 100, got {quality}")
+    if shard_size is not None and int(shard_size) < 1:
+        raise ValueError(f"shard size must be at least 1, got {shard_size}")
+    return format
+
+
+def _check_destination(src: str, dst: str, overwrite: bool) -> None:
+    """Refuse to write over the source (or a folder holding it), or over anything without overwrite."""
+    real_src, real_dst = os.path.realpath(src), os.path.realpath(dst)
+    if real_src == real_dst or real_src.startswith(real_dst.rstrip(os.sep) + os.sep):
+        raise PackedFormatError(dst, "the destination is the source (or contains it)", hint="choose another path")
+    if os.path.lexists(dst) and not overwrite:
+        raise ArchiveExistsError(dst, "already exists", hint="pass --overwrite to replace it")
+    parent = os.path.dirname(os.path.abspath(dst))
+    if not os.path.isdir(parent):
+        raise PackedFormatError(dst, f"the destination directory {parent} does not exist")
+
+
+def clean_stale_temp_files(dst: "str | os.PathLike[str]") -> List[str]:
+    """Remove temporary files left beside ``dst`` by conversions whose process is gone; return them.
+
+    Only names of this destination (and its parts) whose writer pid no longer
+    runs on this machine are removed.
+    """
+    dst = os.path.abspath(os.fspath(dst))
+    directory, name = os.path.split(dst)
+    stem, ext = os.path.splitext(name)
+    part = re.compile(re.escape(stem) + r"-\d{5}" + re.escape(ext))
+    removed = []
+    for entry in os.scandir(directory):
+        match = _TEMP_NAME.match(entry.name)
+        if match and (match["name"] == name or part.fullmatch(match["name"])) and not _pid_alive(int(match["pid"])):
+            remove_path(entry.path)
+            removed.append(entry.path)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def _signals_interrupt() -> Iterator[None]:
+    """Turn SIGINT/SIGTERM/SIGHUP into ConversionInterrupted (once: cleanup then runs undisturbed)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    names = ("SIGINT", "SIGTERM", "SIGHUP")
+    signals = [getattr(signal, n) for n in names if hasattr(signal, n)]
+
+    def interrupt(signum, _frame):
+        for s in signals:
+            signal.signal(s, signal.SIG_IGN)
+        raise ConversionInterrupted(signum)
+
+    previous = {s: signal.signal(s, interrupt) for s in signals}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+__all__ = ["ConversionInterrupted", "ConvertSummary", "clean_stale_temp_files", "convert", "part_name"]
