@@ -44,14 +44,18 @@ __all__ = [
     "Writer",
     "convert",
     "detect_format",
+    "make_loader",
     "open_archive",
     "open_writer",
+    "transforms",
 ]
 
 # torch takes seconds to import: what needs it loads on first use, so that
 # `import packed_formats` and `packed-formats info/verify/convert` start quickly.
 _LAZY = {
     "PackedDataset": ".dataset",
+    "make_loader": ".loader",
+    "transforms": ".transforms",
 }
 
 

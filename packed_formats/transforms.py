@@ -1,0 +1,337 @@
+"""Batched image transforms: ``nn.Module``s over whole ``[B,C,H,W]`` batches.
+
+They take uint8 or float batches on any device and keep the batch's memory
+format (channels-last batches stay channels-last).  Crops come before the
+conversion to float, so the float work is done on the output size only.
+Random parameters are drawn per sample on the CPU, from the ``generator``
+passed to ``forward`` (or given to the constructor), so a seed gives the same
+crops and flips whether the batch lives on the CPU or a GPU.
+
+``train(size)`` and ``val(size)`` are the usual ImageNet recipes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+Size = Union[int, Tuple[int, int]]
+
+
+def _pair(size: Size) -> Tuple[int, int]:
+    if isinstance(size, int):
+        size = (size, size)
+    h, w = (int(s) for s in size)
+    if h <= 0 or w <= 0:
+        raise ValueError(f"size must be positive, got {size}")
+    return h, w
+
+
+def _check_batch(batch: torch.Tensor) -> None:
+    if not isinstance(batch, torch.Tensor) or batch.dim() != 4:
+        shape = tuple(batch.shape) if isinstance(batch, torch.Tensor) else type(batch).__name__
+        raise ValueError(f"expected a [B,C,H,W] tensor batch, got {shape}")
+
+
+def _memory_format(batch: torch.Tensor) -> torch.memory_format:
+    """channels_last when channels are innermost (e.g. a view of an NHWC buffer)."""
+    if batch.shape[1] > 1 and batch.stride(1) == 1:
+        return torch.channels_last
+    return torch.contiguous_format
+
+
+def _empty(batch: torch.Tensor, h: int, w: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    b, c = batch.shape[:2]
+    return torch.empty(
+        (b, c, h, w), dtype=dtype or batch.dtype, device=batch.device, memory_format=_memory_format(batch)
+    )
+
+
+def _resize(image: torch.Tensor, h: int, w: int, antialias: bool) -> torch.Tensor:
+    """Bilinear resize of a [N,C,h,w] tensor, keeping uint8 as uint8.
+
+    The CPU resizes uint8 directly (torch's fast path); other devices resize
+    in float and round back.
+    """
+    if image.shape[-2:] == (h, w):
+        return image
+    if image.dtype == torch.uint8 and image.device.type != "cpu":
+        out = F.interpolate(image.float(), size=(h, w), mode="bilinear", antialias=antialias, align_corners=False)
+        return out.round_().clamp_(0, 255).to(torch.uint8)
+    return F.interpolate(image, size=(h, w), mode="bilinear", antialias=antialias, align_corners=False)
+
+
+def _new_output(shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An output tensor; in a DataLoader worker, in shared memory so sending it back copies nothing."""
+    if device.type == "cpu" and torch.utils.data.get_worker_info() is not None:
+        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        storage = torch.UntypedStorage._new_shared(nbytes)
+        typed = torch.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
+        return torch.empty(0, dtype=dtype).set_(typed).view(shape)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+class BatchTransform(nn.Module):
+    """Base class: ``forward(batch, generator=None)`` on a ``[B,C,H,W]`` batch.
+
+    Args:
+        generator: CPU ``torch.Generator`` used when ``forward`` gets none.
+    """
+
+    def __init__(self, generator: Optional[torch.Generator] = None) -> None:
+        super().__init__()
+        self.generator = generator
+
+    def _rng(self, generator: Optional[torch.Generator]) -> Optional[torch.Generator]:
+        return generator if generator is not None else self.generator
+
+    def forward(self, batch: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Compose(BatchTransform):
+    """Apply transforms in order; batch transforms share one generator."""
+
+    def __init__(self, transforms: Sequence[Callable], generator: Optional[torch.Generator] = None) -> None:
+        super().__init__(generator)
+        self.transforms = list(transforms)
+        for i, t in enumerate(self.transforms):
+            if isinstance(t, nn.Module):
+                self.add_module(str(i), t)
+
+    def forward(self, batch: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        generator = self._rng(generator)
+        for t in self.transforms:
+            batch = t(batch, generator=generator) if isinstance(t, BatchTransform) else t(batch)
+        return batch
+
+    def __repr__(self) -> str:
+        inner = ", ".join(repr(t) for t in self.transforms)
+        return f"Compose([{inner}])"
+
+
+class CenterCrop(BatchTransform):
+    """The central ``size`` window of every image (a view, no copy)."""
+
+    def __init__(self, size: Size) -> None:
+        super().__init__()
+        self.size = _pair(size)
+
+    def forward(self, batch: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        _check_batch(batch)
+        (h, w), (height, width) = self.size, batch.shape[-2:]
+        _check_fits(self, h, w, height, width)
+        top, left = (height - h) // 2, (width - w) // 2
+        return batch[:, :, top : top + h, left : left + w]
+
+
+class RandomCrop(BatchTransform):
+    """A ``size`` window at a random position, drawn independently per sample."""
+
+    def __init__(self, size: Size, generator: Optional[torch.Generator] = None) -> None:
+        super().__init__(generator)
+        self.size = _pair(size)
+
+    def get_params(
+        self, batch_size: int, height: int, width: int, generator: Optional[torch.Generator] = None
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(tops, lefts): int64 [B] crop offsets, as forward would draw them."""
+        h, w = self.size
+        _check_fits(self, h, w, height, width)
+        tops = torch.randint(0, height - h + 1, (batch_size,), generator=generator)
+        lefts = torch.randint(0, width - w + 1, (batch_size,), generator=generator)
+        return tops, lefts
+
+    def forward(self, batch: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        _check_batch(batch)
+        tops, lefts = self.get_params(batch.shape[0], *batch.shape[-2:], generator=self._rng(generator))
+        h, w = self.size
+        out = _empty(batch, h, w)
+        for b, (top, left) in enumerate(zip(tops.tolist(), lefts.tolist())):
+            out[b].copy_(batch[b, :, top : top + h, left : left + w])
+        return out
+
+
+class RandomResizedCrop(BatchTransform):
+    """A random area/aspect crop per sample, resized (bilinear) to one ``size``.
+
+    Parameters follow torchvision: ``scale`` is the crop's share of the image
+    area, ``ratio`` its width/height range; after 10 failed draws a sample gets
+    the central crop of clamped aspect.  uint8 batches stay uint8.
+    """
+
+    def __init__(
+        self,
+        size: Size,
+        scale: Tuple[float, float] = (0.08, 1.0),
+        ratio: Tuple[float, float] = (3 / 4, 4 / 3),
+        antialias: bool = True,
+        generator: Optional[torch.Generator] = None,
+    ) -> None:
+        super().__init__(generator)
+        self.size = _pair(size)
+        self.scale = (float(scale[0]), float(scale[1]))
+        self.ratio = (float(ratio[0]), float(ratio[1]))
+        if not (0 < self.scale[0] <= self.scale[1] and 0 < self.ratio[0] <= self.ratio[1]):
+            raise ValueError(f"need 0 < scale[0] <= scale[1] and 0 < ratio[0] <= ratio[1], got {scale}, {ratio}")
+        self.antialias = antialias
+
+    def get_params(
+        self, batch_size: int, height: int, width: int, generator: Optional[torch.Generator] = None
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tops, lefts, heights, widths): int64 [B] crop boxes, as forward would draw them."""
+        tries = 10
+        area = height * width * torch.empty(batch_size, tries).uniform_(*self.scale, generator=generator)
+        log_ratio = torch.empty(batch_size, tries).uniform_(
+            math.log(self.ratio[0]), math.log(self.ratio[1]), generator=generator
+        )
+        aspect = torch.exp(log_ratio)
+        w = torch.sqrt(area * aspect).round().long()
+        h = torch.sqrt(area / aspect).round().long()
+        ok = (w > 0) & (w <= width) & (h > 0) & (h <= height)
+        first = ok.int().argmax(dim=1, keepdim=True)
+        h, w = h.gather(1, first).squeeze(1), w.gather(1, first).squeeze(1)
+        fallback_h, fallback_w = self._fallback(height, width)
+        found = ok.any(dim=1)
+        h = torch.where(found, h, torch.full_like(h, fallback_h))
+        w = torch.where(found, w, torch.full_like(w, fallback_w))
+        u = torch.rand(2, batch_size, generator=generator)
+        tops = torch.where(found, (u[0] * (height - h + 1)).long().clamp_(max=height - h), (height - h) // 2)
+        lefts = torch.where(found, (u[1] * (width - w + 1)).long().clamp_(max=width - w), (width - w) // 2)
+        return tops, lefts, h, w
+
+    def _fallback(self, height: int, width: int) -> Tuple[int, int]:
+        in_ratio = width / height
+        if in_ratio < self.ratio[0]:
+            return min(height, int(round(width / self.ratio[0]))), width
+        if in_ratio > self.ratio[1]:
+            return height, min(width, int(round(height * self.ratio[1])))
+        return height, width
+
+    def forward(self, batch: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        _check_batch(batch)
+        boxes = self.get_params(batch.shape[0], *batch.shape[-2:], generator=self._rng(generator))
+        out = _empty(batch, *self.size)
+        for b, (top, left, h, w) in enumerate(zip(*(t.tolist() for t in boxes))):
+            crop = batch[b : b + 1, :, top : top + h, left : left + w]
+            out[b : b + 1].copy_(_resize(crop, *self.size, antialias=self.antialias))
+        return out
+
+
+class RandomHorizontalFlip(BatchTransform):
+    """Mirror each image left-right with probability ``p``, independently per sample."""
+
+    def __init__(self, p: float = 0.5, generator: Optional[torch.Generator] = None) -> None:
+        super().__init__(generator)
+        self.p = float(p)
+
+    def get_params(self, batch_size: int, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        """bool [B]: which samples forward would flip."""
+        return torch.rand(batch_size, generator=generator) < self.p
+
+    def forward(self, batch: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        _check_batch(batch)
+        flip = self.get_params(batch.shape[0], self._rng(generator))
+        chosen = flip.nonzero().squeeze(1).to(batch.device)
+        out = batch.clone(memory_format=_memory_format(batch))
+        if len(chosen):
+            out[chosen] = batch[chosen].flip(-1)
+        return out
+
+
+class Resize(BatchTransform):
+    """Bilinear resize of the whole batch: shorter side to ``size`` (int) or exactly (h, w)."""
+
+    def __init__(self, size: Size, antialias: bool = True) -> None:
+        super().__init__()
+        self.size = size if isinstance(size, int) else _pair(size)
+        self.antialias = antialias
+
+    def forward(self, batch: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        _check_batch(batch)
+        height, width = batch.shape[-2:]
+        if isinstance(self.size, int):
+            short = min(height, width)
+            h, w = round(height * self.size / short), round(width * self.size / short)
+        else:
+            h, w = self.size
+        return _resize(batch, h, w, self.antialias)
+
+
+class ToFloat(BatchTransform):
+    """uint8 [0, 255] -> float [0, 1]; a float batch is only cast to ``dtype``."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, batch: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        _check_batch(batch)
+        if batch.dtype == torch.uint8:
+            return batch.to(self.dtype).mul_(1 / 255)
+        return batch.to(self.dtype)
+
+
+class Normalize(BatchTransform):
+    """``(x - mean) / std`` per channel, with mean/std in [0, 1] units (torchvision's).
+
+    A uint8 batch is first scaled to [0, 1]; both steps happen in one pass.
+    """
+
+    def __init__(
+        self, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD, dtype=torch.float32
+    ) -> None:
+        super().__init__()
+        self.mean = tuple(float(m) for m in mean)
+        self.std = tuple(float(s) for s in std)
+        if len(self.mean) != len(self.std) or min(self.std) <= 0:
+            raise ValueError(f"mean and std need one value per channel and std > 0, got {mean}, {std}")
+        self.dtype = dtype
+
+    def forward(self, batch: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        _check_batch(batch)
+        b, c, h, w = batch.shape
+        if c != len(self.mean):
+            raise ValueError(f"batch has {c} channels, Normalize has {len(self.mean)}")
+        unit = 255.0 if batch.dtype == torch.uint8 else 1.0
+        scale = torch.tensor([1 / (s * unit) for s in self.std], dtype=self.dtype)
+        shift = torch.tensor([-m / s for m, s in zip(self.mean, self.std)], dtype=self.dtype)
+        channels_last = _memory_format(batch) == torch.channels_last
+        out = _new_output((b, h, w, c) if channels_last else (b, c, h, w), self.dtype, batch.device)
+        out.copy_(batch.permute(0, 2, 3, 1) if channels_last else batch)  # one vectorised cast
+        # rows whose per-element scale repeats: [B*H, W*C] (NHWC) or [B, C, H*W] (NCHW)
+        if channels_last:
+            flat, scale, shift = out.view(b * h, w * c), scale.repeat(w), shift.repeat(w)
+        else:
+            flat, scale, shift = out.view(b, c, h * w), scale.view(c, 1), shift.view(c, 1)
+        flat.mul_(scale.to(batch.device)).add_(shift.to(batch.device))
+        return out.permute(0, 3, 1, 2) if channels_last else out
+
+    def __repr__(self) -> str:
+        return f"Normalize(mean={self.mean}, std={self.std})"
+
+
+def _check_fits(transform: BatchTransform, h: int, w: int, height: int, width: int) -> None:
+    if h > height or w > width:
+        raise ValueError(f"{type(transform).__name__} of {h}x{w} does not fit images of {height}x{width}")
+
+
+def train(
+    size: Size, scale: Tuple[float, float] = (0.08, 1.0), mean=IMAGENET_MEAN, std=IMAGENET_STD
+) -> Compose:
+    """ImageNet-style training: RandomResizedCrop(size), RandomHorizontalFlip, Normalize."""
+    return Compose([RandomResizedCrop(size, scale=scale), RandomHorizontalFlip(), Normalize(mean, std)])
+
+
+def val(size: Size, resize: Optional[int] = None, mean=IMAGENET_MEAN, std=IMAGENET_STD) -> Compose:
+    """ImageNet-style evaluation: Resize(shorter side to size/0.875), CenterCrop(size), Normalize."""
+    if resize is None:
+        resize = int(round(max(_pair(size)) / 0.875))
+    return Compose([Resize(resize), CenterCrop(size), Normalize(mean, std)])

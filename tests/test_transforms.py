@@ -1,0 +1,171 @@
+"""pf.transforms: batched crops, flips and normalisation on known inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from packed_formats import transforms as T
+
+
+def position_batch(b=8, h=20, w=30, dtype=torch.uint8):
+    """A batch whose pixels encode (sample, row, column) in channels 0, 1, 2."""
+    rows = torch.arange(h).view(h, 1).expand(h, w)
+    cols = torch.arange(w).view(1, w).expand(h, w)
+    batch = torch.stack([torch.stack([torch.full((h, w), s), rows, cols]) for s in range(b)])
+    return batch.to(dtype)
+
+
+def gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def test_random_crop_takes_the_drawn_window_of_each_sample():
+    batch = position_batch()
+    crop = T.RandomCrop((8, 10))
+    tops, lefts = crop.get_params(8, 20, 30, gen(3))
+    out = crop(batch, generator=gen(3))
+    assert out.shape == (8, 3, 8, 10)
+    for b in range(8):
+        t, left = int(tops[b]), int(lefts[b])
+        assert torch.equal(out[b], batch[b, :, t : t + 8, left : left + 10])
+        assert int(out[b, 1, 0, 0]) == t and int(out[b, 2, 0, 0]) == left
+
+
+def test_random_crop_offsets_differ_between_samples():
+    tops, lefts = T.RandomCrop(4).get_params(32, 40, 40, gen(0))
+    assert len(set(zip(tops.tolist(), lefts.tolist()))) > 16
+    assert 0 <= int(tops.min()) and int(tops.max()) <= 36 and int(lefts.max()) <= 36
+
+
+def test_center_crop_takes_the_middle():
+    out = T.CenterCrop((10, 10))(position_batch())
+    assert int(out[0, 1, 0, 0]) == 5 and int(out[0, 2, 0, 0]) == 10
+    assert out.shape == (8, 3, 10, 10)
+
+
+@pytest.mark.parametrize("transform", [T.RandomCrop(21), T.CenterCrop((10, 31))], ids=["random", "center"])
+def test_crops_reject_windows_larger_than_the_images(transform):
+    with pytest.raises(ValueError, match="does not fit"):
+        transform(position_batch())
+
+
+def test_transforms_reject_a_single_image():
+    with pytest.raises(ValueError, match=r"\[B,C,H,W\]"):
+        T.RandomHorizontalFlip()(torch.zeros(3, 8, 8, dtype=torch.uint8))
+
+
+def test_random_resized_crop_resizes_each_drawn_box():
+    batch = position_batch(b=6, h=40, w=40)
+    rrc = T.RandomResizedCrop(16, scale=(0.2, 0.6))
+    tops, lefts, hs, ws = rrc.get_params(6, 40, 40, gen(5))
+    out = rrc(batch, generator=gen(5))
+    assert out.shape == (6, 3, 16, 16) and out.dtype == torch.uint8
+    for b in range(6):
+        t, left, h, w = int(tops[b]), int(lefts[b]), int(hs[b]), int(ws[b])
+        assert 0.2 * 1600 * 0.9 <= h * w <= 0.6 * 1600 * 1.1 and t + h <= 40 and left + w <= 40
+        crop = batch[b : b + 1, :, t : t + h, left : left + w]
+        expected = F.interpolate(crop, size=(16, 16), mode="bilinear", antialias=True, align_corners=False)
+        assert torch.equal(out[b], expected[0])
+
+
+def test_random_resized_crop_draws_a_different_box_per_sample():
+    boxes = T.RandomResizedCrop(8).get_params(32, 50, 50, gen(1))
+    assert len(set(zip(*(t.tolist() for t in boxes)))) == 32
+
+
+def test_random_resized_crop_of_the_whole_image_is_a_resize():
+    batch = position_batch(b=2, h=30, w=30, dtype=torch.float32)
+    out = T.RandomResizedCrop(10, scale=(1.0, 1.0), ratio=(1.0, 1.0))(batch, generator=gen())
+    expected = F.interpolate(batch, size=(10, 10), mode="bilinear", antialias=True, align_corners=False)
+    assert out.dtype == torch.float32 and torch.allclose(out, expected)
+
+
+def test_random_resized_crop_falls_back_to_a_center_crop():
+    # no box of 100% area with aspect 2 fits a square image: torchvision's fallback
+    tops, lefts, hs, ws = T.RandomResizedCrop(4, scale=(1, 1), ratio=(2, 2)).get_params(3, 20, 20, gen())
+    assert hs.tolist() == [10] * 3 and ws.tolist() == [20] * 3 and tops.tolist() == [5] * 3
+
+
+def test_horizontal_flip_mirrors_exactly_the_chosen_samples():
+    batch = position_batch(b=64)
+    flip = T.RandomHorizontalFlip()
+    chosen = flip.get_params(64, gen(2))
+    out = flip(batch, generator=gen(2))
+    assert 0 < int(chosen.sum()) < 64
+    for b in range(64):
+        assert torch.equal(out[b], batch[b].flip(-1) if chosen[b] else batch[b])
+
+
+def test_flip_leaves_its_input_unchanged():
+    batch = position_batch()
+    before = batch.clone()
+    T.RandomHorizontalFlip(p=1.0)(batch)
+    assert torch.equal(batch, before)
+
+
+def test_to_float_scales_uint8_to_unit_range():
+    out = T.ToFloat()(torch.tensor([0, 51, 255], dtype=torch.uint8).view(1, 3, 1, 1))
+    assert out.dtype == torch.float32
+    assert torch.allclose(out.flatten(), torch.tensor([0.0, 0.2, 1.0]))
+
+
+def test_normalize_uint8_uses_unit_range_mean_and_std():
+    batch = torch.tensor([0, 255, 51], dtype=torch.uint8).view(1, 3, 1, 1)
+    out = T.Normalize(mean=(0.5, 0.5, 0.1), std=(0.5, 0.25, 0.1))(batch).flatten()
+    assert torch.allclose(out, torch.tensor([-1.0, 2.0, 1.0]), atol=1e-6)
+
+
+def test_normalize_float_equals_normalize_uint8():
+    batch = torch.randint(0, 256, (4, 3, 5, 5), generator=gen(), dtype=torch.uint8)
+    norm = T.Normalize()
+    assert torch.allclose(norm(batch), norm(batch.float() / 255), atol=1e-5)
+
+
+def test_channels_last_batches_stay_channels_last():
+    batch = torch.zeros(4, 20, 20, 3, dtype=torch.uint8).permute(0, 3, 1, 2)
+    for transform in (T.RandomCrop(8), T.RandomResizedCrop(8), T.RandomHorizontalFlip(), T.Normalize()):
+        assert transform(batch, generator=gen()).is_contiguous(memory_format=torch.channels_last)
+
+
+def test_same_generator_seed_gives_same_batch_and_other_seed_another():
+    batch = torch.randint(0, 256, (16, 3, 32, 32), generator=gen(9), dtype=torch.uint8)
+    train = T.train(16)
+    a, b, c = train(batch, generator=gen(1)), train(batch, generator=gen(1)), train(batch, generator=gen(2))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_constructor_generator_is_used_without_one_in_forward():
+    batch = position_batch(b=16)
+    a = T.RandomCrop(5, generator=gen(4))(batch)
+    b = T.RandomCrop(5)(batch, generator=gen(4))
+    assert torch.equal(a, b)
+
+
+def test_train_preset_gives_normalised_float_batches_of_size():
+    out = T.train(12)(torch.randint(0, 256, (5, 3, 30, 40), dtype=torch.uint8), generator=gen())
+    assert out.shape == (5, 3, 12, 12) and out.dtype == torch.float32
+    assert float(out.min()) >= -2.2 and float(out.max()) <= 2.7
+
+
+def test_val_preset_resizes_then_center_crops():
+    batch = position_batch(b=2, h=16, w=32)
+    out = T.val(14, resize=16)(batch)  # already 16 on the short side: a pure center crop
+    expected = T.Normalize()(batch[:, :, 1:15, 9:23])
+    assert torch.allclose(out, expected, atol=1e-5)
+
+
+def test_compose_accepts_plain_callables():
+    out = T.Compose([T.CenterCrop(4), lambda x: x + 1])(torch.zeros(1, 3, 8, 8, dtype=torch.uint8))
+    assert out.shape == (1, 3, 4, 4) and int(out.min()) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_transforms_on_cuda_match_the_cpu_crop_offsets():
+    batch = torch.randint(0, 256, (8, 3, 32, 32), generator=gen(), dtype=torch.uint8)
+    cpu = T.RandomCrop(16)(batch, generator=gen(7))
+    cuda = T.RandomCrop(16)(batch.cuda(), generator=gen(7))
+    assert torch.equal(cpu, cuda.cpu())
+    out = T.train(16)(batch.cuda(), generator=gen(7))
+    assert out.device.type == "cuda" and out.shape == (8, 3, 16, 16)
