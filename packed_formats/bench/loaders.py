@@ -1,0 +1,129 @@
+"""The loaders the benchmark times: the fast path, the plain Dataset path, and torchvision ImageFolder.
+
+Every loader yields ``(images, labels)``; ``images`` is a batch tensor, or a
+list of uint8 tensors when samples differ in size (pipeline ``none`` over
+encoded data).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import multiprocessing
+from typing import Any, Callable, Iterator, List, Optional, Tuple
+
+import torch
+
+PIPELINES = ("none", "val", "train")
+LOADERS = ("auto", "make_loader", "dataset")
+MEAN = [0.485, 0.456, 0.406]
+STD = [0.229, 0.224, 0.225]
+
+
+def collate_list(samples: List[Tuple[Any, int]]) -> Tuple[List[Any], torch.Tensor]:
+    """Keep images of different sizes as a list; labels become one int64 tensor."""
+    return [s[0] for s in samples], torch.as_tensor([int(s[1]) for s in samples], dtype=torch.int64)
+
+
+def torchvision_transform(pipeline: str, size: int) -> Callable:
+    """torchvision's standard per-sample transforms for ImageNet-style training (PIL in)."""
+    from torchvision import transforms as T
+
+    if pipeline == "none":
+        return T.PILToTensor()
+    if pipeline == "val":
+        return T.Compose([T.Resize(round(size * 256 / 224)), T.CenterCrop(size), T.ToTensor(), T.Normalize(MEAN, STD)])
+    return T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(MEAN, STD)])
+
+
+def _data_loader(dataset, batch_size: int, workers: int, shuffle: bool, context: Optional[str], collate=None):
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        num_workers=workers,
+        collate_fn=collate,
+        multiprocessing_context=context if workers else None,
+    )
+
+
+def imagefolder_loader(path: str, pipeline: str, size: int, batch_size: int, workers: int, shuffle: bool,
+                       context: Optional[str]):
+    """The baseline: torchvision.datasets.ImageFolder with its standard transforms."""
+    from torchvision.datasets import ImageFolder
+
+    dataset = ImageFolder(path, transform=torchvision_transform(pipeline, size))
+    collate = collate_list if pipeline == "none" else None
+    return _data_loader(dataset, batch_size, workers, shuffle, context, collate)
+
+
+def dataset_loader(path: str, mode: str, pipeline: str, size: int, batch_size: int, workers: int, shuffle: bool,
+                   context: Optional[str]):
+    """PackedDataset in a plain DataLoader (batched reads via __getitems__, per-sample transforms)."""
+    from ..dataset import PackedDataset
+
+    if pipeline == "none":
+        dataset = PackedDataset(path, output="tensor")
+        collate = None if mode == "raw" else collate_list
+    else:
+        dataset = PackedDataset(path, output="pil", transform=torchvision_transform(pipeline, size))
+        collate = None
+    return _data_loader(dataset, batch_size, workers, shuffle, context, collate)
+
+
+def fast_path():
+    """(make_loader, transforms module) from the library, or None where this build lacks them."""
+    import packed_formats
+
+    make_loader = getattr(packed_formats, "make_loader", None)
+    try:
+        transforms = importlib.import_module("packed_formats.transforms")
+    except ModuleNotFoundError:
+        transforms = None
+    if make_loader is None or transforms is None:
+        return None
+    return make_loader, transforms
+
+
+def accepts(function: Callable, name: str) -> bool:
+    """Whether ``function`` takes keyword ``name`` (or **kwargs)."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def make_loader_loader(path: str, mode: str, pipeline: str, size: int, batch_size: int, workers: int,
+                       shuffle: bool, context: Optional[str], decode_size: Optional[int] = None, seed: int = 0):
+    """``pf.make_loader`` with ``pf.transforms.val/train(size)`` (whole-batch uint8 work, crop before float).
+
+    Encoded archives are decoded to ``decode_size`` x ``decode_size`` so that a batch has one shape.
+    """
+    found = fast_path()
+    if found is None:
+        raise RuntimeError("packed_formats.make_loader is not available in this build")
+    make_loader, transforms = found
+    transform = None if pipeline == "none" else getattr(transforms, pipeline)(size)
+    options = dict(batch_size=batch_size, shuffle=shuffle, num_workers=workers, device="cpu",
+                   transform=transform, drop_last=False, seed=seed)
+    if mode == "encoded" and decode_size:
+        options["size"] = decode_size
+    if workers and context and accepts(make_loader, "multiprocessing_context"):
+        options["multiprocessing_context"] = context
+    return make_loader(path, **options)
+
+
+@contextlib.contextmanager
+def default_start_method(method: Optional[str]) -> Iterator[None]:
+    """Make ``method`` the default start method for loaders that take no context, then restore it."""
+    if method is None:
+        yield
+        return
+    previous = multiprocessing.get_start_method(allow_none=True)
+    multiprocessing.set_start_method(method, force=True)
+    try:
+        yield
+    finally:
+        multiprocessing.set_start_method(previous, force=True)

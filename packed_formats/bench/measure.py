@@ -1,0 +1,207 @@
+"""Honest timing of a data loader, epoch by epoch, and peak memory while it runs.
+
+Per epoch: ``first_batch_s`` is the time from asking for an iterator to holding
+the first batch (worker start-up included).  The first ``warmup`` batches of
+every epoch are then excluded; images/s is the number of samples actually
+delivered after them divided by the time from the end of the last warm-up
+batch to the arrival of the last batch.  Epochs are timed separately and
+summarised by median, min and max.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import statistics
+import threading
+import time
+from typing import Any, Callable, Dict, Iterable, List, Optional
+
+from .pagecache import evict
+
+
+def batch_size_of(batch: Any) -> int:
+    """Samples in one delivered batch: ``(images, labels)`` with images a tensor or a list."""
+    images = batch[0] if isinstance(batch, (tuple, list)) and len(batch) == 2 else batch
+    images = getattr(images, "images", images)
+    if hasattr(images, "shape"):
+        return int(images.shape[0])
+    return len(images)
+
+
+def read_pss(pid: int) -> Optional[int]:
+    """Proportional set size of ``pid`` in bytes from /proc/PID/smaps_rollup, or None."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as file:
+            for line in file:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+class MemorySampler:
+    """Samples the memory of this process and of its child processes in a background thread.
+
+    Children are the DataLoader workers (under forkserver also the fork
+    server).  PSS is used where /proc/PID/smaps_rollup exists, so pages shared
+    by workers (a memory-mapped archive) are not counted once per worker;
+    otherwise RSS from psutil.
+    """
+
+    def __init__(self, interval: float = 0.05) -> None:
+        self.interval = interval
+        self.metric = "pss" if read_pss(os.getpid()) is not None else "rss"
+        self.peak_main = 0
+        self.peak_workers_total = 0
+        self.peak_worker = 0
+        self.max_workers_seen = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-memory", daemon=True)
+
+    def _measure(self, process) -> int:
+        if self.metric == "pss":
+            value = read_pss(process.pid)
+            if value is not None:
+                return value
+        try:
+            return int(process.memory_info().rss)
+        except Exception:
+            return 0
+
+    def sample(self) -> None:
+        import psutil
+
+        me = psutil.Process()
+        self.peak_main = max(self.peak_main, self._measure(me))
+        try:
+            children = me.children(recursive=True)
+        except psutil.Error:
+            children = []
+        sizes = [self._measure(c) for c in children]
+        self.max_workers_seen = max(self.max_workers_seen, len(sizes))
+        self.peak_workers_total = max(self.peak_workers_total, sum(sizes))
+        self.peak_worker = max([self.peak_worker] + sizes)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> "MemorySampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def result(self) -> Dict[str, Any]:
+        mib = 2**20
+        return {
+            "metric": self.metric,
+            "peak_main_mib": round(self.peak_main / mib, 1),
+            "peak_workers_total_mib": round(self.peak_workers_total / mib, 1),
+            "peak_worker_mib": round(self.peak_worker / mib, 1),
+            "child_processes_seen": self.max_workers_seen,
+        }
+
+
+def time_epoch(loader: Iterable, warmup: int, max_batches: Optional[int] = None,
+               on_first_batch: Optional[Callable[[], None]] = None) -> Dict[str, Any]:
+    """Iterate ``loader`` once and time it (see the module docstring).
+
+    ``on_first_batch`` runs once the first batch has arrived (outside the timed span when warmup > 0).
+    """
+    start = time.perf_counter()
+    iterator = iter(loader)
+    images = batches = timed_images = 0
+    first_batch_s = None
+    timed_from = None
+    last = start
+    for batch in iterator:
+        last = time.perf_counter()
+        n = batch_size_of(batch)
+        batches += 1
+        images += n
+        if first_batch_s is None:
+            first_batch_s = last - start
+            if on_first_batch is not None:
+                on_first_batch()
+                last = time.perf_counter()
+        if batches == warmup:
+            timed_from = last
+        elif batches > warmup:
+            timed_images += n
+        del batch
+        if max_batches is not None and batches >= max_batches:
+            break
+    del iterator  # shuts the workers down before the next epoch starts
+    gc.collect()
+    if warmup == 0:
+        timed_from, timed_images = start, images
+    seconds = (last - timed_from) if timed_from is not None else 0.0
+    return {
+        "batches": batches,
+        "images": images,
+        "warmup_batches": min(warmup, batches),
+        "timed_images": timed_images,
+        "timed_seconds": seconds,
+        "images_per_s": timed_images / seconds if seconds > 0 and timed_images else None,
+        "first_batch_s": first_batch_s,
+        "epoch_seconds": last - start,
+    }
+
+
+def summarise(values: List[Optional[float]]) -> Dict[str, Optional[float]]:
+    """Median, min, max and relative spread ((max - min) / median) of the defined values."""
+    defined = [v for v in values if v is not None]
+    if not defined:
+        return {"median": None, "min": None, "max": None, "spread": None, "n": 0}
+    median = statistics.median(defined)
+    spread = (max(defined) - min(defined)) / median if median else None
+    return {"median": median, "min": min(defined), "max": max(defined), "spread": spread, "n": len(defined)}
+
+
+def time_loader(
+    make_loader: Callable[[], Iterable],
+    epochs: int,
+    warmup: int,
+    max_batches: Optional[int] = None,
+    cold_path: Optional[str] = None,
+) -> Dict[str, Any]:
+    """Time ``epochs`` passes over the loader that ``make_loader()`` builds.
+
+    Warm runs build the loader once and reuse it.  Cold runs (``cold_path``
+    given) drop the previous loader, evict ``cold_path`` from the page cache
+    and build a fresh loader before each epoch, so that no process still maps
+    the archive (mapped pages cannot be evicted).
+    """
+    records = []
+    loader = None if cold_path else make_loader()
+    with MemorySampler() as sampler:
+        for epoch in range(epochs):
+            eviction = None
+            if cold_path:
+                loader = None
+                gc.collect()
+                eviction = evict(cold_path)
+                loader = make_loader()
+            record = time_epoch(loader, warmup, max_batches, on_first_batch=sampler.sample)
+            record["epoch"] = epoch
+            if eviction is not None:
+                record["eviction"] = eviction
+            records.append(record)
+        sampler.sample()
+    if not any(r["timed_images"] for r in records):
+        raise ValueError(
+            f"no batches were left to time after {warmup} warm-up batches per epoch; "
+            "lower --warmup or --batch-size, or raise --max-batches"
+        )
+    return {
+        "epochs": records,
+        "images_per_s": summarise([r["images_per_s"] for r in records]),
+        "first_batch_s": summarise([r["first_batch_s"] for r in records]),
+        "memory": sampler.result(),
+    }

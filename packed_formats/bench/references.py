@@ -1,0 +1,121 @@
+"""Reference points measured in the same run: the limits each kind of archive is compared to.
+
+- copy-bound limit (raw): gathering shuffled batches of the archive's sample
+  shape from an array already in memory, with ``numpy.take`` into a
+  preallocated batch buffer, in one process.  No loader can deliver raw
+  batches faster from one process without skipping the copy.
+- bare decode rate (encoded): decoding the archive's own bytes (the first
+  ``DECODE_SAMPLES`` samples, already in memory) in a tight loop with Pillow
+  to the same square size the fast loader decodes to (JPEG DCT scaling via
+  ``Image.draft`` first, then a bilinear resize, as make_loader does), no
+  container, no DataLoader, in as many processes as the loader it is
+  compared with (``max(1, workers)``), started together.
+"""
+
+from __future__ import annotations
+
+import io
+import statistics
+import time
+import zlib
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+from PIL import Image
+
+from .. import codecs
+
+COPY_MEMORY_CAP = 1 << 30  # bytes of in-memory data for the copy-bound limit
+DECODE_SAMPLES = 128
+
+
+def copy_bound_rate(shape: Sequence[int], count: int, batch_size: int, seconds: float = 1.0,
+                    repeats: int = 3) -> Dict[str, object]:
+    """Images/s of gathering random batches of ``shape`` from memory (median of ``repeats``)."""
+    shape = tuple(int(x) for x in shape)
+    sample_bytes = int(np.prod(shape))
+    n = max(1, min(int(count), max(batch_size, COPY_MEMORY_CAP // sample_bytes)))
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 256, size=(n,) + shape, dtype=np.uint8)
+    out = np.empty((min(batch_size, n),) + shape, dtype=np.uint8)
+    rates = []
+    for _ in range(repeats):
+        images, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds / repeats or images == 0:
+            order = rng.permutation(n)
+            for first in range(0, n, out.shape[0]):
+                chunk = order[first : first + out.shape[0]]
+                np.take(data, chunk, axis=0, out=out[: len(chunk)])
+                images += len(chunk)
+        rates.append(images / (time.perf_counter() - start))
+    return {
+        "name": "copy-bound",
+        "shape": list(shape),
+        "samples_in_memory": n,
+        "batch_size": int(out.shape[0]),
+        "processes": 1,
+        "images_per_s": statistics.median(rates),
+        "repeats": [float(r) for r in rates],
+    }
+
+
+def decode_to(blob: bytes, size: Optional[int]) -> np.ndarray:
+    """RGB pixels of ``blob``, at ``size`` x ``size`` when given (JPEG DCT scaling, then bilinear resize)."""
+    image = Image.open(io.BytesIO(blob))
+    if size is not None and image.format == "JPEG":
+        image.draft("RGB", (size, size))
+    image = image.convert("RGB")
+    if size is not None and image.size != (size, size):
+        image = image.resize((size, size), Image.BILINEAR)
+    return codecs.pil_to_array(image, 3)
+
+
+def _decode_worker(blobs: List[bytes], size: Optional[int], seconds: float, barrier, results) -> None:
+    barrier.wait()
+    results.put(_decode_loop(blobs, size, seconds))
+
+
+def _decode_loop(blobs: List[bytes], size: Optional[int], seconds: float) -> Tuple[int, float]:
+    images, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds or images == 0:
+        for blob in blobs:
+            decode_to(blob, size)
+            images += 1
+    return images, time.perf_counter() - start
+
+
+def bare_decode_rate(blobs: List[bytes], processes: int, context: str, seconds: float = 1.0,
+                     size: Optional[int] = None) -> Dict[str, object]:
+    """Images/s of decoding ``blobs`` in a loop in ``processes`` processes started together (summed)."""
+    import multiprocessing
+
+    if processes <= 1:
+        results = [_decode_loop(blobs, size, seconds)]
+    else:
+        ctx = multiprocessing.get_context(context)
+        barrier, queue = ctx.Barrier(processes), ctx.Queue()
+        workers = [ctx.Process(target=_decode_worker, args=(blobs, size, seconds, barrier, queue))
+                   for _ in range(processes)]
+        for w in workers:
+            w.start()
+        results = [queue.get(timeout=120 + 10 * seconds) for _ in workers]
+        for w in workers:
+            w.join()
+    return {
+        "name": "bare-decode",
+        "processes": max(1, processes),
+        "decode_size": size,
+        "samples": len(blobs),
+        "mean_bytes": float(np.mean([len(b) for b in blobs])) if blobs else 0.0,
+        "images_per_s": float(sum(n / s for n, s in results)),
+        "per_process": [float(n / s) for n, s in results],
+    }
+
+
+def decode_sample(reader) -> Tuple[List[bytes], str]:
+    """The first DECODE_SAMPLES stored byte strings of an encoded reader, and a fingerprint of them."""
+    blobs = [reader.read_bytes(i) for i in range(min(len(reader), DECODE_SAMPLES))]
+    fingerprint = 0
+    for blob in blobs:
+        fingerprint = zlib.crc32(blob, fingerprint)
+    return blobs, f"{len(blobs)}:{fingerprint:08x}"

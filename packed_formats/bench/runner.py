@@ -1,0 +1,212 @@
+"""Runs the benchmark: every target x pipeline x worker count, the baselines and the reference points."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from ..backends import detect_format, open_archive
+from ..errors import PackedFormatError
+from . import environment, loaders, measure, references
+from .seed import tutorial_loader
+
+START_METHODS = ("fork", "spawn", "forkserver")
+
+
+@dataclasses.dataclass
+class BenchConfig:
+    """What to run.  See ``packed-formats bench --help`` for the meaning of each field."""
+
+    workers: Sequence[int] = (0, 1, 2, 4)
+    batch_size: int = 64
+    epochs: int = 3
+    warmup: int = 2
+    max_batches: Optional[int] = None
+    pipelines: Sequence[str] = ("none",)
+    size: int = 224
+    start_method: Optional[str] = None  # None: the platform's default
+    cold: bool = False
+    shuffle: bool = True
+    loader: str = "auto"
+    references: bool = True
+    seed_tutorial: bool = True
+    decode_size: Optional[int] = None  # None: round(size * 256 / 224), the usual resize before a crop
+    source: Optional[str] = None
+    reference_seconds: float = 1.0
+
+    @property
+    def decode_to(self) -> int:
+        """The square size encoded archives are decoded to by make_loader (and by the decode reference)."""
+        return int(self.decode_size or round(self.size * 256 / 224))
+
+    def check(self) -> None:
+        """ValueError naming the first bad setting."""
+        if not self.workers or any(int(w) < 0 for w in self.workers):
+            raise ValueError("workers must be a non-empty list of counts >= 0")
+        for name in ("batch_size", "epochs", "size", "decode_size"):
+            if getattr(self, name) is not None and int(getattr(self, name)) < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be at least 1")
+        if self.warmup < 0 or (self.max_batches is not None and self.max_batches <= self.warmup):
+            raise ValueError("warmup must be >= 0 and max-batches larger than warmup")
+        bad = [p for p in self.pipelines if p not in loaders.PIPELINES]
+        if bad or not self.pipelines:
+            raise ValueError(f"pipeline must be one of {', '.join(loaders.PIPELINES)}, got {bad or 'nothing'}")
+        if self.start_method is not None and self.start_method not in multiprocessing.get_all_start_methods():
+            raise ValueError(f"start method {self.start_method!r} is not available here; "
+                             f"choose one of {', '.join(multiprocessing.get_all_start_methods())}")
+        if self.loader not in loaders.LOADERS:
+            raise ValueError(f"loader must be one of {', '.join(loaders.LOADERS)}")
+
+
+def describe_target(path: str, source_bytes: Optional[int]) -> Dict[str, Any]:
+    """Format, layout, size on disk and file system of one archive or ImageFolder."""
+    path = os.fspath(path)
+    fmt = detect_format(path)
+    with open_archive(path, verify=False) as reader:
+        manifest = reader.manifest
+    size = environment.size_on_disk(path)
+    if source_bytes and fmt != "folder":
+        size["source_bytes"] = source_bytes
+        size["vs_source"] = size["bytes_on_disk"] / source_bytes
+    return {
+        "name": _short_name(path),
+        "path": os.path.abspath(path),
+        "format": fmt,
+        "mode": manifest.mode,
+        "shape": list(manifest.shape) if manifest.shape else None,
+        "encoding": manifest.encoding,
+        "count": manifest.count,
+        "classes": len(manifest.classes),
+        "size": size,
+        "filesystem": environment.filesystem_type(path),
+    }
+
+
+def _short_name(path: str) -> str:
+    return os.path.basename(os.path.normpath(path)) or path
+
+
+def _loader_name(target: Dict[str, Any], config: BenchConfig) -> str:
+    if target["format"] == "folder":
+        return "torchvision-imagefolder"
+    if config.loader == "auto":
+        return "make_loader" if loaders.fast_path() is not None else "dataset"
+    return config.loader
+
+
+def build_loader(target: Dict[str, Any], loader: str, pipeline: str, workers: int, config: BenchConfig):
+    """The DataLoader-like iterable for one measurement."""
+    common = (pipeline, config.size, config.batch_size, workers, config.shuffle, config.start_method)
+    if loader == "torchvision-imagefolder":
+        return loaders.imagefolder_loader(target["path"], *common)
+    if loader == "seed-tutorial":
+        return tutorial_loader(target["path"], pipeline, config.size, config.batch_size, workers,
+                               config.shuffle, config.start_method)
+    if loader == "make_loader":
+        return loaders.make_loader_loader(target["path"], target["mode"], *common, decode_size=config.decode_to)
+    return loaders.dataset_loader(target["path"], target["mode"], *common)
+
+
+def measure_one(target: Dict[str, Any], loader: str, pipeline: str, workers: int, config: BenchConfig,
+                role: str = "target") -> Dict[str, Any]:
+    """Time one (target, loader, pipeline, workers) combination; an error is recorded, not raised."""
+    row: Dict[str, Any] = {
+        "target": target["name"] if role == "target" else f"{loader} ({target['name']})",
+        "path": target["path"], "role": role, "loader": loader, "format": target["format"],
+        "mode": target["mode"], "shape": target["shape"], "pipeline": pipeline, "workers": workers,
+        "batch_size": config.batch_size, "start_method": config.start_method or multiprocessing.get_start_method(),
+        "cold": config.cold, "error": None,
+    }
+    try:
+        with loaders.default_start_method(config.start_method if workers else None):
+            row.update(measure.time_loader(lambda: build_loader(target, loader, pipeline, workers, config),
+                                           config.epochs, config.warmup, config.max_batches,
+                                           cold_path=target["path"] if config.cold else None))
+    except (PackedFormatError, RuntimeError, ValueError, OSError, TypeError) as exc:
+        row["error"] = f"{type(exc).__name__}: {exc}"
+    return row
+
+
+def measure_references(targets: List[Dict[str, Any]], config: BenchConfig, log: Callable[[str], None]) -> List[Dict]:
+    """Copy-bound limits (one per raw shape) and bare decode rates (per encoded content and process count)."""
+    out: List[Dict[str, Any]] = []
+    seen = set()
+    processes = sorted({max(1, int(w)) for w in config.workers})
+    for target in targets:
+        if target["mode"] == "raw":
+            key = ("copy", tuple(target["shape"]), target["count"])
+            if key not in seen:
+                seen.add(key)
+                log(f"reference: copy-bound limit for {target['shape']}")
+                ref = references.copy_bound_rate(target["shape"], target["count"], config.batch_size,
+                                                 config.reference_seconds)
+                out.append(dict(ref, key=f"copy:{'x'.join(map(str, target['shape']))}:{target['count']}"))
+            continue
+        with open_archive(target["path"], verify=False) as reader:
+            blobs, fingerprint = references.decode_sample(reader)
+        target["decode_key"] = f"decode:{fingerprint}"
+        for p in processes:
+            if (fingerprint, p) in seen:
+                continue
+            seen.add((fingerprint, p))
+            log(f"reference: bare decode of {target['name']} in {p} process(es)")
+            ref = references.bare_decode_rate(blobs, p, config.start_method or multiprocessing.get_start_method(),
+                                              config.reference_seconds, size=config.decode_to)
+            out.append(dict(ref, key=target["decode_key"], source=target["name"]))
+    return out
+
+
+def _source_bytes(paths: Sequence[str], config: BenchConfig) -> Optional[int]:
+    source = config.source
+    if source is None:
+        folders = [p for p in paths if os.path.isdir(p) and detect_format(p) == "folder"]
+        source = folders[0] if len(folders) == 1 else None
+    return environment.size_on_disk(source)["bytes_on_disk"] if source else None
+
+
+def run_benchmark(paths: Sequence[str], config: Optional[BenchConfig] = None,
+                  log: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> Dict[str, Any]:
+    """Benchmark every archive or ImageFolder in ``paths``; return every measurement as a dict.
+
+    Raises PackedFormatError for a path that is not an archive or ImageFolder,
+    ValueError for a bad setting.
+    """
+    config = config or BenchConfig()
+    config.check()
+    source_bytes = _source_bytes(paths, config)
+    targets = [describe_target(p, source_bytes) for p in paths]
+    results: Dict[str, Any] = {
+        "schema": 1,
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "config": dataclasses.asdict(config),
+        "environment": dict(environment.describe_environment(),
+                            filesystems={t["name"]: t["filesystem"] for t in targets}),
+        "timing": measure.__doc__.strip().split("\n\n")[1].replace("\n", " "),
+        "targets": targets,
+        "runs": [],
+        "references": [],
+    }
+    results["config"]["start_method"] = config.start_method or multiprocessing.get_start_method()
+    results["config"]["decode_size"] = config.decode_to
+    for pipeline in config.pipelines:
+        for target in targets:
+            loader = _loader_name(target, config)
+            role = "baseline" if loader == "torchvision-imagefolder" else "target"
+            for workers in config.workers:
+                log(f"{pipeline:5} {target['name']} via {loader}, {workers} workers")
+                results["runs"].append(measure_one(target, loader, pipeline, int(workers), config, role))
+            if config.seed_tutorial and target["format"] == "memmap" and target["mode"] == "raw":
+                for workers in config.workers:
+                    log(f"{pipeline:5} seed-tutorial loader on {target['name']}, {workers} workers")
+                    results["runs"].append(measure_one(target, "seed-tutorial", pipeline, int(workers), config,
+                                                       "baseline"))
+    if config.references:
+        results["references"] = measure_references(targets, config, log)
+    from .report import add_ratios
+
+    add_ratios(results)
+    return results

@@ -1,0 +1,215 @@
+"""The benchmark harness: its JSON report, plot, cold-cache eviction, reference points and baselines."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import packed_formats as pf
+from packed_formats.bench import BenchConfig, format_table, run_benchmark
+from packed_formats.bench.environment import filesystem_type
+from packed_formats.bench.measure import time_epoch
+from packed_formats.bench.pagecache import evict, resident_bytes
+from packed_formats.bench.references import bare_decode_rate, copy_bound_rate
+from packed_formats.bench.report import rate
+from packed_formats.bench.seed import TutorialMemmapData, TutorialRandomCrop, TutorialRandomHFlip
+from packed_formats.cli import main
+
+from .conftest import RAW_SHAPE
+
+WORKERS = (0, 1)
+EPOCHS = 2
+SMALL = ["--batch-size", "8", "--epochs", str(EPOCHS), "--warmup", "1", "--size", "16",
+         "--start-method", "fork", "--reference-seconds", "0.2"]
+TARGET_KINDS = [("folder", "encoded"), ("memmap", "raw"), ("zip", "raw"), ("hdf5", "encoded"), ("lmdb", "raw")]
+
+
+@pytest.fixture(scope="module")
+def cli_run(archives, tmp_path_factory):
+    """One real `packed-formats bench` run in a subprocess over five targets: (results, png path, stdout)."""
+    out = tmp_path_factory.mktemp("bench")
+    paths = [archives[k] for k in TARGET_KINDS]
+    command = [sys.executable, "-m", "packed_formats", "bench", *paths, "--workers", "0,1", *SMALL,
+               "--out", str(out / "r.json"), "--plot", str(out / "r.png")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    with open(out / "r.json") as file:
+        return json.load(file), out / "r.png", done.stdout
+
+
+def test_json_has_a_run_for_every_target_and_worker_count(cli_run, archives):
+    results, _, _ = cli_run
+    measured = {(r["path"], r["workers"]) for r in results["runs"] if r["role"] == "target" or
+                r["loader"] == "torchvision-imagefolder"}
+    expected = {(os.path.abspath(archives[k]), w) for k in TARGET_KINDS for w in WORKERS}
+    assert measured == expected
+
+
+def test_every_run_reports_positive_rates_per_epoch(cli_run):
+    results, _, _ = cli_run
+    for row in results["runs"]:
+        assert row["error"] is None, row["error"]
+        assert len(row["epochs"]) == EPOCHS
+        for epoch in row["epochs"]:
+            assert epoch["warmup_batches"] == 1
+            assert epoch["timed_images"] > 0 and epoch["images_per_s"] > 0 and epoch["first_batch_s"] > 0
+        assert row["images_per_s"]["min"] <= row["images_per_s"]["median"] <= row["images_per_s"]["max"]
+
+
+def test_every_epoch_delivers_the_whole_dataset(cli_run):
+    results, _, _ = cli_run
+    counts = {t["path"]: t["count"] for t in results["targets"]}
+    for row in results["runs"]:
+        assert [e["images"] for e in row["epochs"]] == [counts[row["path"]]] * EPOCHS
+
+
+def test_seed_tutorial_baseline_runs_on_the_raw_memmap_archive(cli_run, archives):
+    results, _, _ = cli_run
+    seed = [r for r in results["runs"] if r["loader"] == "seed-tutorial"]
+    assert {(r["path"], r["workers"]) for r in seed} == {(os.path.abspath(archives[("memmap", "raw")]), w)
+                                                          for w in WORKERS}
+
+
+def test_references_cover_raw_shapes_and_encoded_process_counts(cli_run):
+    results, _, _ = cli_run
+    copy = [r for r in results["references"] if r["name"] == "copy-bound"]
+    decode = [r for r in results["references"] if r["name"] == "bare-decode"]
+    assert [r["shape"] for r in copy] == [list(RAW_SHAPE)]
+    assert {r["processes"] for r in decode} == {max(1, w) for w in WORKERS}
+    assert all(r["images_per_s"] > 0 for r in results["references"])
+
+
+def test_every_run_has_its_ratio_to_its_limit(cli_run):
+    results, _, _ = cli_run
+    for row in results["runs"]:
+        assert row["ratios"]["vs_limit"] == pytest.approx(rate(row) / row["limit"]["images_per_s"])
+        expected = "copy-bound" if row["mode"] == "raw" else "bare-decode"
+        assert row["limit"]["name"] == expected
+
+
+def test_raw_archives_get_ratios_to_raw_memmap_and_the_baselines(cli_run):
+    results, _, _ = cli_run
+    def find(**match):
+        return next(r for r in results["runs"] if all(r[k] == v for k, v in match.items()))
+    for w in WORKERS:
+        row = find(format="zip", mode="raw", workers=w, role="target")
+        memmap = find(format="memmap", mode="raw", workers=w, role="target")
+        folder = find(loader="torchvision-imagefolder", workers=w)
+        seed = find(loader="seed-tutorial", workers=w)
+        assert row["ratios"]["vs_raw_memmap"] == pytest.approx(rate(row) / rate(memmap))
+        assert row["ratios"]["vs_imagefolder"] == pytest.approx(rate(row) / rate(folder))
+        assert row["ratios"]["vs_seed_tutorial"] == pytest.approx(rate(row) / rate(seed))
+
+
+def test_report_states_environment_sizes_and_memory(cli_run, archives):
+    results, _, _ = cli_run
+    env = results["environment"]
+    assert env["cpus"]["logical"] >= 1 and env["versions"]["torch"] == torch.__version__
+    assert isinstance(env["jpeg"]["pillow_libjpeg_turbo"], bool)
+    for target in results["targets"]:
+        assert target["size"]["bytes_on_disk"] > 0 and target["size"]["files"] >= 1
+        assert target["filesystem"] == filesystem_type(target["path"])
+        if target["format"] != "folder":  # the folder target is the size reference
+            assert target["size"]["vs_source"] > 0
+    for row in results["runs"]:
+        assert row["memory"]["peak_main_mib"] > 0
+        assert row["memory"]["child_processes_seen"] >= row["workers"]
+
+
+def test_plot_is_a_valid_png(cli_run):
+    _, png, _ = cli_run
+    with Image.open(png) as image:
+        assert image.format == "PNG" and image.size[0] > 100 and image.size[1] > 100
+
+
+def test_terminal_table_lists_every_target(cli_run):
+    results, _, stdout = cli_run
+    for target in results["targets"]:
+        assert target["name"] in stdout
+    assert "copy-bound limit" in stdout and "bare decode" in stdout
+
+
+def test_cold_run_attempts_eviction_before_every_epoch(archives):
+    config = BenchConfig(workers=[0], batch_size=8, epochs=2, warmup=1, size=16, cold=True,
+                         references=False, seed_tutorial=False, loader="dataset")
+    results = run_benchmark([archives[("memmap", "raw")], archives[("folder", "encoded")]], config, log=lambda s: None)
+    for row in results["runs"]:
+        assert row["error"] is None, row["error"]
+        for epoch in row["epochs"]:
+            eviction = epoch["eviction"]
+            assert eviction["attempted"] and eviction["files"] >= 1 and eviction["advised"] == eviction["files"]
+            assert "resident_after" in eviction
+    assert "cold (page cache evicted before each epoch)" in format_table(results)
+
+
+def test_evict_drops_a_read_file_from_the_page_cache(tmp_path):
+    path = tmp_path / "data.bin"
+    path.write_bytes(os.urandom(1 << 20))
+    path.read_bytes()
+    if resident_bytes(str(path)) is None or filesystem_type(str(path)) in ("tmpfs", "ramfs"):
+        pytest.skip("page-cache residency cannot be measured or evicted here")
+    record = evict(str(path))
+    assert record["evicted"] is True and record["resident_after"] == 0
+
+
+def test_time_epoch_excludes_warmup_batches_and_counts_delivered_samples():
+    batches = [(torch.zeros(n, 3, 2, 2, dtype=torch.uint8), torch.zeros(n)) for n in (8, 8, 5)]
+    record = time_epoch(batches, warmup=1)
+    assert (record["batches"], record["images"], record["timed_images"]) == (3, 21, 13)
+    assert time_epoch(batches, warmup=1, max_batches=2)["images"] == 16
+
+
+def test_copy_bound_rate_gathers_batches_of_the_archive_shape():
+    ref = copy_bound_rate(RAW_SHAPE, count=40, batch_size=16, seconds=0.05)
+    assert ref["shape"] == list(RAW_SHAPE) and ref["batch_size"] == 16 and ref["images_per_s"] > 0
+
+
+def test_bare_decode_rate_runs_in_the_requested_number_of_processes(archives):
+    with pf.open_archive(archives[("zip", "encoded")]) as reader:
+        blobs = [reader.read_bytes(i) for i in range(4)]
+    ref = bare_decode_rate(blobs, processes=2, context="fork", seconds=0.05, size=16)
+    assert ref["processes"] == 2 and len(ref["per_process"]) == 2 and min(ref["per_process"]) > 0
+
+
+def test_seed_tutorial_dataset_returns_whole_batches_as_stored(archives):
+    path = archives[("memmap", "raw")]
+    images, targets = TutorialMemmapData(path).__getitems__([5, 0, 5])
+    with pf.open_archive(path) as reader:
+        expected = reader.read_many([5, 0, 5])
+        labels = reader.labels[[5, 0, 5]]
+    assert torch.equal(images, torch.from_numpy(expected).permute(0, 3, 1, 2))
+    assert targets.tolist() == labels.tolist()
+
+
+def test_seed_tutorial_crop_and_flip_keep_whole_windows_per_sample():
+    batch = torch.arange(4 * 3 * 10 * 12, dtype=torch.float32).reshape(4, 3, 10, 12)
+    cropped = TutorialRandomCrop(6)(batch)
+    assert cropped.shape == (4, 3, 6, 6)
+    for image, window in zip(batch, cropped):
+        top, left = np.argwhere((image[0] == window[0, 0, 0]).numpy())[0]
+        assert torch.equal(window, image[:, top : top + 6, left : left + 6])
+    flipped = TutorialRandomHFlip()(cropped)
+    for before, after in zip(cropped, flipped):
+        assert torch.equal(after, before) or torch.equal(after, before.flip(-1))
+
+
+def test_bad_target_exits_2_naming_the_path(tmp_path, capsys):
+    missing = tmp_path / "nope.zip"
+    assert main(["bench", str(missing), "--workers", "0"]) == 2
+    err = capsys.readouterr().err
+    assert str(missing) in err and len(err.strip().splitlines()) == 1
+
+
+def test_bad_settings_are_refused_before_anything_runs(archives, capsys):
+    path = archives[("memmap", "raw")]
+    assert main(["bench", path, "--workers", "0", "--epochs", "0"]) == 2
+    assert "epochs" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", path, "--workers", "two"])
