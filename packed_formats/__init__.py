@@ -6,6 +6,7 @@ __version__ = "0.1.0"
 from .backends import FORMATS, PACKED_FORMATS, detect_format, open_archive, open_writer
 from .backends.base import Reader, Writer
 from .convert import ConvertSummary, convert
+from .doctor import diagnose
 from .errors import (
     ArchiveChangedError,
     ArchiveExistsError,
@@ -21,6 +22,7 @@ from .errors import (
     UnknownFormatError,
 )
 from .manifest import ArchiveManifest
+from .stage import stage
 
 __all__ = [
     "FORMATS",
@@ -44,9 +46,11 @@ __all__ = [
     "Writer",
     "convert",
     "detect_format",
+    "diagnose",
     "make_loader",
     "open_archive",
     "open_writer",
+    "stage",
     "transforms",
 ]
 

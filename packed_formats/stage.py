@@ -1,0 +1,272 @@
+"""Copy an archive to node-local storage once per node, verified, even under many ranks.
+
+On a cluster every rank of a job may call ``stage(path, os.environ["TMPDIR"])`` at
+the same moment.  One of them takes an exclusive ``flock`` on a lock file in the
+destination directory and copies the archive under a temporary name, checks every
+sample of the copy against the stored CRC32s, and moves it into place with
+``os.replace``; the others wait on the lock, then find an identical copy and reuse
+it.  A sharded archive is staged part by part (each verified), its index last.
+A damaged source raises CorruptSampleError naming the sample and leaves nothing
+behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import fcntl
+import glob
+import hashlib
+import logging
+import os
+import shutil
+import time
+import uuid
+from contextlib import contextmanager
+from typing import Iterator, List, Optional, Tuple
+
+from .backends import PACKED_FORMATS, detect_format, open_archive
+from .backends.base import Reader, publish, remove_path
+from .backends.sharded import read_shard_index
+from .errors import ArchiveExistsError, PackedFormatError, UnknownFormatError
+from .verify import verify_archive
+
+log = logging.getLogger("packed_formats")
+
+STAGEABLE = PACKED_FORMATS + ("sharded",)
+
+
+@dataclasses.dataclass(frozen=True)
+class StagedArchive:
+    """The outcome of one stage call: where the copy is and whether this call made it."""
+
+    path: str
+    copied: bool
+    nbytes: int
+    seconds: float
+
+
+def default_stage_dir() -> str:
+    """Node-local scratch: $SLURM_TMPDIR, else $TMPDIR, else /tmp."""
+    for name in ("SLURM_TMPDIR", "TMPDIR"):
+        value = os.environ.get(name)
+        if value:
+            return value
+    return "/tmp"
+
+
+def stage(path: "str | os.PathLike[str]", to: "str | os.PathLike[str]", timeout: Optional[float] = None) -> str:
+    """Copy the archive at ``path`` into directory ``to`` (once per node); return the local path.
+
+    Safe to call from many processes at once: they wait for the one that copies.
+    An identical existing copy is reused; a different archive of the same name is
+    replaced.  ``timeout`` (seconds) bounds the wait for the lock (None: forever).
+
+    Raises:
+        CorruptSampleError: a sample of the source fails its checksum (no copy is left).
+        PackedFormatError: the source is not a packed archive, the destination has no
+            room, or the lock wait timed out.
+    """
+    return stage_archive(path, to, timeout=timeout).path
+
+
+def stage_archive(
+    path: "str | os.PathLike[str]", to: "str | os.PathLike[str]", timeout: Optional[float] = None
+) -> StagedArchive:
+    """Like stage(), but also says whether this call copied and how much."""
+    started = time.monotonic()
+    source = os.fspath(path)
+    parts = _parts_of(source)
+    directory = os.fspath(to)
+    os.makedirs(directory, exist_ok=True)
+    target = os.path.join(directory, os.path.basename(os.path.normpath(source)))
+    if os.path.realpath(target) == os.path.realpath(source):
+        return StagedArchive(target, False, sum(_disk_usage(p) for p in parts + [source]), 0.0)
+    copied, nbytes = False, 0
+    with _exclusive(_lock_path(target), timeout):
+        for part in parts:  # each part of a sharded archive is a complete archive of its own
+            done, size = _stage_one(part, os.path.join(directory, os.path.basename(part)), check_samples=True)
+            copied, nbytes = copied or done, nbytes + size
+        done, size = _stage_one(source, target, check_samples=not parts)
+        copied, nbytes = copied or done, nbytes + size
+    seconds = time.monotonic() - started
+    log.info("stage: %s %s to %s (%d bytes, %.1f s)", "copied" if copied else "reused", source, target, nbytes, seconds)
+    return StagedArchive(target, copied, nbytes, seconds)
+
+
+def _stage_one(source: str, target: str, check_samples: bool) -> Tuple[bool, int]:
+    """Copy one archive unless an identical copy is there (caller holds the lock); (copied, bytes)."""
+    expected = _source_fingerprint(source)
+    nbytes = _disk_usage(source)
+    _remove_leftovers(target)
+    if _is_identical_copy(target, expected):
+        return False, nbytes
+    _check_room(os.path.dirname(target), source, nbytes)
+    _copy_verified(source, target, expected, check_samples)
+    return True, nbytes
+
+
+def _parts_of(source: str) -> List[str]:
+    """The part archives a sharded archive's index names (none for other formats)."""
+    format = detect_format(source)
+    if format == "folder":
+        raise UnknownFormatError(
+            source,
+            "an image folder, not a packed archive: staging it would copy every small file",
+            hint="pack it first with `packed-formats convert`, then stage the archive",
+        )
+    if format != "sharded":
+        return []
+    directory = os.path.dirname(os.path.abspath(source))
+    return [os.path.join(directory, name) for name in read_shard_index(source)["names"]]
+
+
+# ---- identity ---------------------------------------------------------------------------
+def archive_files(path: str) -> List[Tuple[str, int]]:
+    """(relative name, size) of every file of an archive: ("", size) for a one-file archive."""
+    if not os.path.isdir(path):
+        return [("", os.path.getsize(path))]
+    found = []
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            full = os.path.join(root, name)
+            found.append((os.path.relpath(full, path), os.path.getsize(full)))
+    return sorted(found)
+
+
+def _disk_usage(path: str) -> int:
+    return sum(size for _name, size in archive_files(path))
+
+
+def fingerprint(reader: Reader) -> str:
+    """A cheap content hash: file names and sizes, manifest, and index arrays (labels, CRCs...)."""
+    digest = hashlib.sha256(reader.manifest.to_json().encode())
+    for name, size in archive_files(reader.path):
+        digest.update(f"{name}\0{size}\0".encode())
+    for name, array in sorted(reader.index.arrays().items()):
+        digest.update(f"{name}\0{array.dtype.str}\0{array.shape}\0".encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
+def _source_fingerprint(source: str) -> str:
+    with open_archive(source, verify=True) as reader:
+        return fingerprint(reader)
+
+
+def _is_identical_copy(target: str, expected: str) -> bool:
+    if not os.path.lexists(target):
+        return False
+    if detect_format_or_none(target) not in STAGEABLE:
+        raise ArchiveExistsError(
+            target,
+            "exists and is not a packed archive; refusing to replace it",
+            hint="remove it or stage to another directory",
+        )
+    try:
+        with open_archive(target, verify=True) as reader:
+            return fingerprint(reader) == expected
+    except PackedFormatError:
+        return False  # a damaged or stale archive of ours: replace it
+
+
+def detect_format_or_none(path: str) -> Optional[str]:
+    try:
+        return detect_format(path)
+    except PackedFormatError:
+        return None
+
+
+# ---- copying ----------------------------------------------------------------------------
+def _check_room(directory: str, source: str, nbytes: int) -> None:
+    free = shutil.disk_usage(directory).free
+    if free < nbytes:
+        raise PackedFormatError(
+            directory,
+            f"not enough space to stage {source}: needs {nbytes / 1e9:.2f} GB, {free / 1e9:.2f} GB free",
+            hint="free space there or stage to another node-local directory",
+        )
+
+
+def _copy_verified(source: str, target: str, expected: str, check_samples: bool) -> None:
+    temp = _stage_temp_prefix(target) + f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        if os.path.isdir(source):
+            shutil.copytree(source, temp)
+        else:
+            shutil.copyfile(source, temp)
+        with open_archive(temp, verify=True) as copy:
+            if fingerprint(copy) != expected:
+                raise PackedFormatError(source, "the copy differs from the source", hint="is it being rewritten?")
+        if check_samples:
+            _verify_copy(temp, source)
+        publish(temp, target, overwrite=True)
+    except BaseException:
+        remove_path(temp)
+        raise
+
+
+def _verify_copy(copy: str, source: str) -> None:
+    """Check every sample of the copy against its CRC32; blame the source when it is the culprit."""
+    report = verify_archive(copy)
+    if report.ok:
+        return
+    bad = report.bad[0].index
+    with open_archive(source, verify=True) as original:
+        original.read_bytes(bad)  # raises CorruptSampleError naming the source when the source is damaged
+    raise PackedFormatError(
+        source, f"the copy of sample {bad} differs from the source", hint="retry; check the local disk"
+    )
+
+
+# ---- locking and leftovers --------------------------------------------------------------
+def _lock_path(target: str) -> str:
+    directory, name = os.path.split(target)
+    return os.path.join(directory, f".{name}.pf-stage.lock")
+
+
+def _stage_temp_prefix(target: str) -> str:
+    directory, name = os.path.split(target)
+    return os.path.join(directory, f".{name}.pf-stage-")
+
+
+def _remove_leftovers(target: str) -> None:
+    """Temp copies left by a killed stager (only the lock holder ever writes one)."""
+    for leftover in glob.glob(glob.escape(_stage_temp_prefix(target)) + "*"):
+        log.info("stage: removing leftover %s", leftover)
+        remove_path(leftover)
+
+
+@contextmanager
+def _exclusive(lock_path: str, timeout: Optional[float]) -> Iterator[None]:
+    """Hold an exclusive flock on ``lock_path``; other processes calling this wait."""
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        _flock(fd, lock_path, timeout)
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _flock(fd: int, lock_path: str, timeout: Optional[float]) -> None:
+    if timeout is None:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+        if time.monotonic() >= deadline:
+            raise PackedFormatError(
+                lock_path,
+                f"another process has been staging this archive for more than {timeout:g} s",
+                hint="wait longer (--timeout) or remove a stale lock holder",
+            )
+        time.sleep(0.05)
