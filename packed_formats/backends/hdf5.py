@@ -31,6 +31,8 @@ class _Handle:
 
     def __init__(self, file: h5py.File, data: h5py.Dataset) -> None:
         self.file, self.data = file, data
+        plist = data.id.get_create_plist()
+        self.whole_chunks = data.ndim == 4 and data.chunks == (1,) + data.shape[1:] and plist.get_nfilters() == 0
 
     def close(self) -> None:
         self.file.close()
@@ -123,17 +125,37 @@ class HDF5Reader(Reader):
             raise CorruptArchiveError(self.path, f"cannot read the archive index: {exc}") from None
         return manifest, index
 
-    def _read_blob(self, handle: _Handle, i: int) -> np.ndarray:
+    def _read_blob(self, handle: _Handle, i: int) -> "np.ndarray | bytes":
+        if self.manifest.mode != "raw":
+            start, stop = int(self.index.offsets[i]), int(self.index.offsets[i + 1])
+            return self._h5_call(i, handle.data.__getitem__, slice(start, stop))
+        if handle.whole_chunks:
+            return self._h5_call(i, handle.data.id.read_direct_chunk, _chunk_of(i, handle.data.ndim))[1]
+        return self._h5_call(i, handle.data.__getitem__, i).reshape(-1)
+
+    def _read_raw_batch(self, handle: _Handle, idx: np.ndarray, out: np.ndarray) -> None:
+        if not (handle.whole_chunks and out.flags.c_contiguous):
+            for j, i in enumerate(idx):
+                self._h5_call(int(i), handle.data.read_direct, out, np.s_[int(i)], np.s_[j])
+            return
+        # One unfiltered chunk per image (our layout): copy each chunk's bytes straight
+        # into the batch, skipping HDF5's selection machinery (about 3x faster).
+        for j, i in enumerate(idx):
+            self._h5_call(int(i), _read_chunk_into, handle.data.id, _chunk_of(int(i), out.ndim), out[j].reshape(-1))
+
+    def _h5_call(self, i: int, function, *args, **kwargs):
         try:
-            if self.manifest.mode == "raw":
-                return handle.data[i].reshape(-1)
-            return handle.data[int(self.index.offsets[i]) : int(self.index.offsets[i + 1])]
+            return function(*args, **kwargs)
         except OSError as exc:
             raise self._corrupt(f"HDF5 read failed: {exc}", i) from None
 
-    def _read_raw_batch(self, handle: _Handle, idx: np.ndarray, out: np.ndarray) -> None:
-        for j, i in enumerate(idx):
-            try:
-                handle.data.read_direct(out, np.s_[int(i)], np.s_[j])
-            except OSError as exc:
-                raise self._corrupt(f"HDF5 read failed: {exc}", int(i)) from None
+
+def _chunk_of(i: int, ndim: int) -> tuple:
+    return (i,) + (0,) * (ndim - 1)
+
+
+def _read_chunk_into(dataset_id, offsets: tuple, row: np.ndarray) -> None:
+    try:
+        dataset_id.read_direct_chunk(offsets, out=row)
+    except TypeError:  # h5py before 3.8 has no out=
+        row[:] = np.frombuffer(dataset_id.read_direct_chunk(offsets)[1], dtype=np.uint8)
