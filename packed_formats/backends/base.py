@@ -274,7 +274,26 @@ class Reader(ProcessLocalHandle):
         return CorruptSampleError(self.path, problem, index=i, key=self.index.key(i), hint=DAMAGED_HINT)
 
 
-class Writer:
+class WriteTransaction:
+    """As a context manager: ``close()`` (publish) on success, ``abort()`` on error."""
+
+    def close(self) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def abort(self) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+class Writer(WriteTransaction):
     """Appends samples to a new archive; nothing appears at ``path`` until close().
 
     The archive is written under a temporary name beside ``path``, sealed
@@ -377,15 +396,6 @@ class Writer:
             self._closed = True
             self._abort()
         remove_path(self.temp_path)
-
-    def __enter__(self) -> "Writer":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True) and getattr(self, "_pid", None) == os.getpid():

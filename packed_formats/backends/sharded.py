@@ -23,7 +23,7 @@ import numpy as np
 from ..errors import ArchiveExistsError, ArchiveNotFoundError, CorruptArchiveError, PackedFormatError
 from ..index import SampleIndex
 from ..manifest import ArchiveManifest
-from .base import Reader, publish, remove_path, temp_path_for
+from .base import Reader, WriteTransaction, publish, remove_path, temp_path_for
 
 INDEX_VERSION = 1
 _MAGIC = re.compile(rb'\s*\{\s*"packed_formats_shards"\s*:')
@@ -133,7 +133,7 @@ class ShardedReader(Reader):
             part.close()
 
 
-class ShardedWriter:
+class ShardedWriter(WriteTransaction):
     """Writes parts of at most ``shard_size`` samples, then the index at ``path``.
 
     Parts are written into a temporary folder beside ``path`` and moved into
@@ -216,15 +216,6 @@ class ShardedWriter:
             self._current.abort()
             self._current = None
         remove_path(self.temp_path)
-
-    def __enter__(self) -> "ShardedWriter":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
 
 
 def _index_json(format: str, parts: List[Tuple[str, int]]) -> str:
