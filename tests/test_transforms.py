@@ -88,8 +88,11 @@ def test_random_resized_crop_falls_back_to_a_center_crop():
     assert hs.tolist() == [10] * 3 and ws.tolist() == [20] * 3 and tops.tolist() == [5] * 3
 
 
-def test_horizontal_flip_mirrors_exactly_the_chosen_samples():
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_horizontal_flip_mirrors_exactly_the_chosen_samples(layout):
     batch = position_batch(b=64)
+    if layout == "channels_last":  # as make_loader hands batches over: a view of an NHWC buffer
+        batch = batch.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
     flip = T.RandomHorizontalFlip()
     chosen = flip.get_params(64, gen(2))
     out = flip(batch, generator=gen(2))
