@@ -258,12 +258,13 @@ def torch_info() -> Dict[str, Any]:
 def archive_summary(path: str) -> Optional[Dict[str, Any]]:
     """The manifest summary when ``path`` is an archive (or image folder), else None."""
     from .backends import detect_format, open_archive
+    from .verify import disk_usage
 
     try:
         format = detect_format(path)
     except PackedFormatError:
         return None
-    summary: Dict[str, Any] = {"format": format, "bytes": _size_on_disk(path)}
+    summary: Dict[str, Any] = {"format": format, "bytes": disk_usage(path)}
     try:
         with open_archive(path, verify=False) as reader:
             m = reader.manifest
@@ -274,12 +275,6 @@ def archive_summary(path: str) -> Optional[Dict[str, Any]]:
     except PackedFormatError as exc:
         summary["error"] = str(exc)
     return summary
-
-
-def _size_on_disk(path: str) -> int:
-    if not os.path.isdir(path):
-        return os.path.getsize(path)
-    return sum(os.path.getsize(os.path.join(root, n)) for root, _, names in os.walk(path) for n in names)
 
 
 # ---- the report -------------------------------------------------------------------------------

@@ -25,18 +25,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import packed_formats as pf  # noqa: E402
 from packed_formats.synthetic import CLASSES, make_image_folder  # noqa: E402
+from packed_formats.verify import disk_usage  # noqa: E402
 
 EXTENSION = {"zip": ".zip", "hdf5": ".h5", "lmdb": ".lmdb", "memmap": ".memmap"}
 
 
 def keep_as_list(batch):
     return batch
-
-
-def disk_size(path: str) -> int:
-    if os.path.isdir(path):
-        return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
-    return os.path.getsize(path)
 
 
 def timed_second_epoch(loader) -> float:
@@ -112,7 +107,7 @@ def main() -> int:
         baseline = baseline or rate
         best = max(rate, fast or 0)
         print(
-            f"{fmt:<8} {mode:<8} {layout:<12} {disk_size(path) / 2**20:>6.1f} MiB {rate:>14.0f} "
+            f"{fmt:<8} {mode:<8} {layout:<12} {disk_usage(path) / 2**20:>6.1f} MiB {rate:>14.0f} "
             f"{'-' if fast is None else f'{fast:.0f}':>9} {best / baseline:>9.1f}x",
             flush=True,
         )
