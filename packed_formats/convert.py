@@ -35,7 +35,10 @@ from .sources import Source, open_source
 from .verify import disk_usage
 
 ON_ERROR = ("raise", "skip")
-FORMAT_BY_EXTENSION = {".zip": "zip", ".h5": "hdf5", ".hdf5": "hdf5", ".lmdb": "lmdb", ".mdb": "lmdb"}
+FORMAT_BY_EXTENSION = {
+    ".zip": "zip", ".h5": "hdf5", ".hdf5": "hdf5", ".lmdb": "lmdb", ".mdb": "lmdb",
+    ".memmap": "memmap", ".mmap": "memmap",
+}
 _TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.pf-tmp-(?P<pid>\d+)-[0-9a-f]{8}(-old)?$")
 
 

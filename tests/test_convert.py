@@ -125,6 +125,21 @@ def test_raw_mode_without_size_is_refused(tmp_path, image_folder):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize(
+    "name, fmt", [("a.zip", "zip"), ("a.h5", "hdf5"), ("a.hdf5", "hdf5"), ("a.lmdb", "lmdb"), ("a.memmap", "memmap")]
+)
+def test_format_is_taken_from_the_destination_extension(tmp_path, image_folder, name, fmt):
+    convert(image_folder, tmp_path / name, mode="encoded", quiet=True)
+    with pf.open_archive(tmp_path / name) as reader:
+        assert reader.format_name == fmt and len(reader) == N
+
+
+def test_unknown_extension_asks_for_a_format(tmp_path, image_folder):
+    with pytest.raises(ValueError, match="give --format"):
+        convert(image_folder, tmp_path / "out.data", mode="encoded", quiet=True)
+    assert os.listdir(tmp_path) == []
+
+
 def test_archive_source_converts_to_another_format_and_mode(tmp_path, archives):
     source_path = archives[("zip", "encoded")]
     dst = tmp_path / "out.lmdb"
