@@ -2,10 +2,12 @@
 
 Each DataLoader item is a whole batch.  A sampler in the main process yields
 ``(epoch, batch number, sample indices)``; a worker reads those samples with
-one ``Reader.read_many`` straight into a uint8 [B,H,W,C] buffer allocated in
-shared memory (the one copy: archive -> buffer; it reaches the main process
-without another), and hands back its [B,C,H,W] channels-last view plus an
-int64 label tensor.  Encoded archives decode each sample into the same buffer.
+one ``Reader.read_many`` straight into a uint8 [B,H,W,C] buffer, and hands back
+its [B,C,H,W] channels-last view plus an int64 label tensor.  Encoded archives
+decode each sample into the same buffer.  Batches leave a worker in a shared
+memory slot that the worker reuses once the main process has dropped the batch
+(``memory.SlotPool``): the read (archive -> slot) is the one copy, and no batch
+pays for faulting in fresh shared pages.
 
 On the CPU the transform runs in the workers; on a GPU it runs on the device
 after a ``non_blocking`` copy from pinned memory on a side stream, ``prefetch``
@@ -28,10 +30,11 @@ import numpy as np
 import torch
 from PIL import Image
 
-from . import codecs
+from . import codecs, memory
 from .backends import open_archive
 from .backends.base import Reader
 from .errors import CorruptSampleError, PackedFormatError
+from .memory import SlotPool
 from .transforms import BatchTransform
 
 VERIFY_POLICIES = (True, False, "once")
@@ -128,16 +131,6 @@ def _seed_globals(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-# ---- buffers ----------------------------------------------------------------------------------
-def new_batch_buffer(shape: Tuple[int, ...], pin: bool = False) -> torch.Tensor:
-    """A uint8 tensor to read a batch into: shared memory in a worker, pinned if asked."""
-    if torch.utils.data.get_worker_info() is not None:
-        nbytes = int(np.prod(shape))
-        storage = torch.UntypedStorage._new_shared(nbytes)  # what default_collate does
-        return torch.empty(0, dtype=torch.uint8).set_(storage).view(shape)
-    return torch.empty(shape, dtype=torch.uint8, pin_memory=pin)
-
-
 # ---- the worker side: one batch -----------------------------------------------------------------
 class BatchReader(torch.utils.data.Dataset):
     """Reads (and on the CPU transforms) one whole batch per ``BatchPlan``.
@@ -156,9 +149,10 @@ class BatchReader(torch.utils.data.Dataset):
         seed: int = 0,
         rank: int = 0,
         pin: bool = False,
+        pool: Optional[SlotPool] = None,
     ) -> None:
         self.reader, self.verify, self.size, self.transform = reader, verify, size, transform
-        self.on_error, self.seed, self.rank, self.pin = on_error, seed, rank, pin
+        self.on_error, self.seed, self.rank, self.pin, self.pool = on_error, seed, rank, pin, pool
         shape = reader.manifest.shape
         self.channels = 3 if shape is None else shape[2]
         self._verified: Optional[np.ndarray] = None
@@ -168,6 +162,15 @@ class BatchReader(torch.utils.data.Dataset):
         return len(self.reader)
 
     def __getitem__(self, plan: BatchPlan) -> Tuple[torch.Tensor, torch.Tensor, Tuple[Skipped, ...]]:
+        if self.pool is None:
+            return self._batch(plan)
+        try:
+            images, labels, skipped = self._batch(plan)
+            return self.pool.send(images), labels, skipped
+        finally:
+            self.pool.end_batch()
+
+    def _batch(self, plan: BatchPlan) -> Tuple[torch.Tensor, torch.Tensor, Tuple[Skipped, ...]]:
         idx = self.reader.check_indices(plan.indices)
         if self.reader.mode == "raw":
             images, skipped = self._read_raw(idx)
@@ -189,9 +192,24 @@ class BatchReader(torch.utils.data.Dataset):
             _seed_globals(seed ^ 0x5EED)
         return apply_transform(self.transform, images, torch.Generator().manual_seed(seed))
 
+    def _new_buffer(self, shape: Tuple[int, ...]) -> torch.Tensor:
+        """A uint8 [B,H,W,C] tensor to read a batch into.
+
+        In a worker with nothing to do after the read, a reused shared-memory
+        slot (the batch then reaches the main process without a copy); pinned
+        when a GPU waits for it; otherwise ordinary memory on huge pages.
+        """
+        if self.pool is not None and self.transform is None:
+            slot = self.pool.take(shape)
+            if slot is not None:
+                return slot
+        if self.pin:
+            return torch.empty(shape, dtype=torch.uint8, pin_memory=True)
+        return memory.empty(shape)
+
     # ---- raw ----
     def _read_raw(self, idx: np.ndarray) -> Tuple[torch.Tensor, list]:
-        buffer = new_batch_buffer((len(idx),) + tuple(self.reader.manifest.shape), self.pin)
+        buffer = self._new_buffer((len(idx),) + tuple(self.reader.manifest.shape))
         out = buffer.numpy()
         try:
             self.reader.read_many(idx, out=out)
@@ -226,11 +244,11 @@ class BatchReader(torch.utils.data.Dataset):
                 skipped.append((j, self._skipped(exc, i)))
                 continue
             if buffer is None:
-                buffer = new_batch_buffer((len(idx),) + pixels.shape, self.pin)
+                buffer = self._new_buffer((len(idx),) + pixels.shape)
             self._put(buffer, j, pixels, i)
         if buffer is None:  # every sample was bad
             h, w = self.size or (0, 0)
-            buffer = new_batch_buffer((len(idx), h, w, self.channels))
+            buffer = self._new_buffer((len(idx), h, w, self.channels))
         return buffer, sorted(skipped)
 
     def _encoded_blobs(self, idx: np.ndarray) -> Tuple[list, list]:
@@ -404,6 +422,10 @@ class PackedLoader:
         if self._next_epoch is not None:
             self.sampler.epoch = self._next_epoch
         self._next_epoch = self.sampler.epoch + 1
+        if self.dataloader.num_workers and not self.dataloader.persistent_workers:
+            # new workers: a new pool, so that states left by the last ones (batches still
+            # in flight when they stopped) neither block nor mislead them
+            self.batch_reader.pool = SlotPool(self.dataloader.num_workers, min_bytes=self.batch_reader.pool.min_bytes)
         host = self._host_batches(iter(self.dataloader))
         if self.device.type == "cuda":
             epoch, seed, rank = self.sampler.epoch, self.batch_reader.seed, self.batch_reader.rank
@@ -539,6 +561,7 @@ def make_loader(
     batch_reader = BatchReader(
         reader, verify=verify, size=size, transform=transform if on_cpu else None, on_error=on_error,
         seed=seed, rank=rank, pin=device.type == "cuda" and num_workers == 0,
+        pool=SlotPool(num_workers) if num_workers > 0 else None,
     )
     loader = torch.utils.data.DataLoader(
         batch_reader,

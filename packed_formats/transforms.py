@@ -19,6 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import memory
+from .memory import memory_format_of
+
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -40,18 +43,10 @@ def _check_batch(batch: torch.Tensor) -> None:
         raise ValueError(f"expected a [B,C,H,W] tensor batch, got {shape}")
 
 
-def _memory_format(batch: torch.Tensor) -> torch.memory_format:
-    """channels_last when channels are innermost (e.g. a view of an NHWC buffer)."""
-    if batch.shape[1] > 1 and batch.stride(1) == 1:
-        return torch.channels_last
-    return torch.contiguous_format
-
-
 def _empty(batch: torch.Tensor, h: int, w: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """A [B,C,h,w] output like ``batch`` (dtype, device, memory format); huge pages on the CPU."""
     b, c = batch.shape[:2]
-    return torch.empty(
-        (b, c, h, w), dtype=dtype or batch.dtype, device=batch.device, memory_format=_memory_format(batch)
-    )
+    return memory.empty((b, c, h, w), dtype or batch.dtype, batch.device, memory_format_of(batch))
 
 
 def _resize(image: torch.Tensor, h: int, w: int, antialias: bool) -> torch.Tensor:
@@ -66,16 +61,6 @@ def _resize(image: torch.Tensor, h: int, w: int, antialias: bool) -> torch.Tenso
         out = F.interpolate(image.float(), size=(h, w), mode="bilinear", antialias=antialias, align_corners=False)
         return out.round_().clamp_(0, 255).to(torch.uint8)
     return F.interpolate(image, size=(h, w), mode="bilinear", antialias=antialias, align_corners=False)
-
-
-def _new_output(shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An output tensor; in a DataLoader worker, in shared memory so sending it back copies nothing."""
-    if device.type == "cpu" and torch.utils.data.get_worker_info() is not None:
-        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-        storage = torch.UntypedStorage._new_shared(nbytes)
-        typed = torch.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
-        return torch.empty(0, dtype=dtype).set_(typed).view(shape)
-    return torch.empty(shape, dtype=dtype, device=device)
 
 
 class BatchTransform(nn.Module):
@@ -245,7 +230,7 @@ class RandomHorizontalFlip(BatchTransform):
         # batch, flipping its [H,W,C] view moves whole pixels (~9x faster than
         # clone + gather/scatter of the chosen samples, measured on 64x3x224x224).
         out = _empty(batch, *batch.shape[-2:])
-        channels_last = _memory_format(batch) == torch.channels_last
+        channels_last = memory_format_of(batch) == torch.channels_last
         source, target = (batch.permute(0, 2, 3, 1), out.permute(0, 2, 3, 1)) if channels_last else (batch, out)
         width_dim = 1 if channels_last else 2  # W within one sample's view
         for b, mirrored in enumerate(flip.tolist()):
@@ -281,9 +266,9 @@ class ToFloat(BatchTransform):
 
     def forward(self, batch: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
         _check_batch(batch)
-        if batch.dtype == torch.uint8:
-            return batch.to(self.dtype).mul_(1 / 255)
-        return batch.to(self.dtype)
+        out = _empty(batch, *batch.shape[-2:], dtype=self.dtype)
+        out.copy_(batch)
+        return out.mul_(1 / 255) if batch.dtype == torch.uint8 else out
 
 
 class Normalize(BatchTransform):
@@ -310,15 +295,22 @@ class Normalize(BatchTransform):
         unit = 255.0 if batch.dtype == torch.uint8 else 1.0
         scale = torch.tensor([1 / (s * unit) for s in self.std], dtype=self.dtype)
         shift = torch.tensor([-m / s for m, s in zip(self.mean, self.std)], dtype=self.dtype)
-        channels_last = _memory_format(batch) == torch.channels_last
-        out = _new_output((b, h, w, c) if channels_last else (b, c, h, w), self.dtype, batch.device)
-        out.copy_(batch.permute(0, 2, 3, 1) if channels_last else batch)  # one vectorised cast
-        # rows whose per-element scale repeats: [B*H, W*C] (NHWC) or [B, C, H*W] (NCHW)
+        channels_last = memory_format_of(batch) == torch.channels_last
+        out = memory.empty((b, h, w, c) if channels_last else (b, c, h, w), self.dtype, batch.device)
+        source = batch.permute(0, 2, 3, 1) if channels_last else batch
+        # rows whose per-element scale repeats: [B, H, W*C] (NHWC) or [B, C, H*W] (NCHW)
         if channels_last:
-            flat, scale, shift = out.view(b * h, w * c), scale.repeat(w), shift.repeat(w)
+            flat, scale, shift = out.view(b, h, w * c), scale.repeat(w), shift.repeat(w)
         else:
             flat, scale, shift = out.view(b, c, h * w), scale.view(c, 1), shift.view(c, 1)
-        flat.mul_(scale.to(batch.device)).add_(shift.to(batch.device))
+        scale, shift = scale.to(batch.device), shift.to(batch.device)
+        # cast, scale and shift one sample at a time on the CPU, while it is in cache
+        # (~1.5x faster than three passes over the batch); in one pass on a GPU
+        step = 1 if batch.device.type == "cpu" else b
+        for start in range(0, b, step):
+            part = slice(start, start + step)
+            out[part].copy_(source[part])
+            flat[part].mul_(scale).add_(shift)
         return out.permute(0, 3, 1, 2) if channels_last else out
 
     def __repr__(self) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import warnings
@@ -15,34 +14,7 @@ import packed_formats as pf
 from packed_formats import transforms as T
 from packed_formats.loader import SkippedSampleWarning, shard_indices
 
-from .conftest import ARCHIVE_KINDS, RAW_SHAPE, expected_samples, kind_id, write_archive
-
-
-@pytest.fixture(scope="module")
-def uniform_archives(tmp_path_factory, image_folder):
-    """{(format, mode): path} whose encoded samples are JPEGs of one size (RAW_SHAPE)."""
-    root = tmp_path_factory.mktemp("uniform")
-    samples = expected_samples(image_folder, "raw")
-    encoded = [(pf.codecs.encode(pixels), label, key) for pixels, label, key in samples]
-    return {
-        (fmt, mode): write_archive(root / f"u-{mode}.{fmt}", fmt, mode, samples if mode == "raw" else encoded)
-        for fmt, mode in ARCHIVE_KINDS
-    }
-
-
-@pytest.fixture(params=ARCHIVE_KINDS, ids=kind_id)
-def uniform(request, uniform_archives):
-    return uniform_archives[request.param]
-
-
-def digest(image: torch.Tensor) -> str:
-    return hashlib.sha1(image.contiguous().numpy().tobytes()).hexdigest()
-
-
-def sample_lookup(path) -> dict:
-    """sha1 of each sample's [C,H,W] pixels -> its index (samples here are all distinct)."""
-    dataset = pf.PackedDataset(path)
-    return {digest(dataset[i][0]): i for i in range(len(dataset))}
+from .conftest import RAW_SHAPE, digest, kind_id, sample_lookup
 
 
 def epoch_indices(loader, lookup) -> list:

@@ -1,0 +1,180 @@
+"""Batch buffers: huge-page allocation, and shared slots that workers reuse but never overwrite early."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+from multiprocessing.reduction import ForkingPickler
+
+import numpy as np
+import pytest
+import torch
+from torch.multiprocessing import reductions
+
+import packed_formats as pf
+from packed_formats import memory
+from packed_formats import transforms as T
+from packed_formats.memory import FREE, SENT, SlotPool
+
+from .conftest import digest, sample_lookup
+
+START_METHODS = [m for m in ("fork", "spawn", "forkserver") if m in multiprocessing.get_all_start_methods()]
+
+
+class _Info:
+    def __init__(self, worker_id):
+        self.id = worker_id
+
+
+@pytest.fixture
+def as_worker(monkeypatch):
+    """Pretend this process is DataLoader worker 0."""
+    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: _Info(0))
+
+
+def round_trip(obj):
+    """What the main process gets when a worker returns obj (the DataLoader's pickling).
+
+    torch's cache of shared storages is cleared in between, so that, as in
+    another process, the receiver maps the memory anew instead of finding the
+    sender's storage object.
+    """
+    data = bytes(ForkingPickler.dumps(obj))
+    reductions.shared_cache.clear()
+    return ForkingPickler.loads(data)
+
+
+def test_empty_is_a_writable_tensor_of_the_asked_layout():
+    t = memory.empty((4, 3, 64, 512), torch.float32, memory_format=torch.channels_last)
+    assert t.shape == (4, 3, 64, 512) and t.dtype == torch.float32
+    assert t.is_contiguous(memory_format=torch.channels_last)
+    t.fill_(2.5)
+    assert float(t.sum()) == 2.5 * t.numel()
+
+
+def test_storage_lifetime_is_tracked_on_this_torch():
+    # the pool's safety rests on this; if torch changes it, pooling turns itself off
+    assert memory.storage_lifetime_is_tracked()
+
+
+def test_take_outside_a_worker_gives_nothing():
+    assert SlotPool(2, min_bytes=0).take((8, 8)) is None
+
+
+def test_small_batches_are_not_pooled(as_worker):
+    pool = SlotPool(1, min_bytes=1 << 20)
+    assert pool.take((100, 100)) is None
+    assert pool.take((1024, 1024)) is not None
+
+
+def test_a_slot_is_reused_only_after_the_receiver_drops_the_batch(as_worker):
+    pool = SlotPool(1, slots=2, min_bytes=0)
+    first = pool.take((16, 16))
+    first.fill_(1)
+    received = round_trip(pool.send(first))
+    pool.end_batch()
+    assert pool.states[0, 0] == SENT and torch.all(received == 1)
+
+    second = pool.take((16, 16))  # slot 0 is held: slot 1
+    assert second.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+    second.fill_(2)
+    kept_view = round_trip(pool.send(second))[3:5]
+    pool.end_batch()
+    assert pool.take((16, 16)) is None  # both held: the worker must not write either
+    pool.end_batch()
+
+    del received
+    gc.collect()
+    assert pool.states[0, 0] == FREE and pool.states[0, 1] == SENT  # a view keeps its batch alive
+    third = pool.take((16, 16))
+    assert third.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+    third.fill_(3)
+    assert torch.all(kept_view == 2)
+
+
+def test_a_batch_outside_the_pool_is_sent_as_a_copy_in_a_slot(as_worker):
+    pool = SlotPool(1, slots=1, min_bytes=0)
+    batch = torch.arange(2 * 3 * 4 * 5, dtype=torch.float32).view(2, 4, 5, 3).permute(0, 3, 1, 2)  # channels last
+    received = round_trip(pool.send(batch))
+    pool.end_batch()
+    assert torch.equal(received, batch) and received.is_contiguous(memory_format=torch.channels_last)
+    assert pool.states[0, 0] == SENT
+    assert round_trip(pool.send(batch.clone())).untyped_storage().data_ptr() != received.untyped_storage().data_ptr()
+
+
+def test_slots_taken_within_one_batch_are_distinct(as_worker):
+    pool = SlotPool(1, slots=3, min_bytes=0)
+    a, b = pool.take((8, 8)), pool.take((8, 8))
+    assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+    pool.end_batch()
+    assert pool.take((8, 8)).untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+
+
+def test_a_too_small_free_slot_is_replaced(as_worker):
+    pool = SlotPool(1, slots=1, min_bytes=0)
+    small = pool.take((8, 8))
+    pool.end_batch()
+    big = pool.take((64, 64))
+    assert big.untyped_storage().nbytes() >= 64 * 64
+    assert big.untyped_storage().data_ptr() != small.untyped_storage().data_ptr()
+
+
+def pooled_loader(path, **options):
+    loader = pf.make_loader(path, **options)
+    loader.batch_reader.pool.min_bytes = 0  # pool even these tiny test batches
+    return loader
+
+
+def test_kept_batches_stay_intact_while_workers_reuse_slots(uniform):
+    check_kept_batches(uniform, "fork" if "fork" in START_METHODS else None)
+
+
+@pytest.mark.parametrize("start_method", START_METHODS)
+@pytest.mark.parametrize("kind", [("memmap", "raw"), ("zip", "encoded")], ids="-".join)
+def test_kept_batches_stay_intact_under_every_start_method(uniform_archives, kind, start_method):
+    check_kept_batches(uniform_archives[kind], start_method)
+
+
+def check_kept_batches(path, start_method):
+    lookup = sample_lookup(path)
+    loader = pooled_loader(path, batch_size=2, num_workers=2, multiprocessing_context=start_method)
+    kept = []
+    for _ in range(2):
+        kept.extend(images for images, _ in loader)
+    pool = loader.batch_reader.pool
+    assert int((pool.states == SENT).sum()) == 2 * pool.states.shape[1]  # every slot is held by us
+    for images in kept:  # were any overwritten, their pixels would match no sample (or repeat)
+        assert all(digest(image) in lookup for image in images)
+    n = len(loader)
+    per_epoch = [[lookup[digest(image)] for images in kept[k * n : (k + 1) * n] for image in images] for k in range(2)]
+    assert all(sorted(order) == list(range(len(lookup))) for order in per_epoch)
+
+    del kept, images
+    gc.collect()
+    assert int((pool.states == SENT).sum()) == 0  # dropped batches free their slots
+
+
+@pytest.mark.parametrize("start_method", START_METHODS)
+def test_pooled_float_batches_equal_the_in_process_ones(uniform_archives, start_method):
+    path = uniform_archives[("memmap", "raw")]
+    options = dict(batch_size=5, transform=T.train(16), seed=3)
+    expected = [images for images, _ in pf.make_loader(path, num_workers=0, **options)]
+    loader = pooled_loader(path, num_workers=2, multiprocessing_context=start_method, **options)
+    for _ in range(2):  # the second epoch reuses the first epoch's slots
+        got = [images.clone() for images, _ in loader]
+        loader.set_epoch(0)
+        assert len(got) == len(expected)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "fresh-workers"])
+def test_leaving_epochs_early_leaves_no_slot_held(uniform, persistent):
+    loader = pooled_loader(uniform, batch_size=2, num_workers=2, persistent_workers=persistent)
+    for _ in range(3):
+        batches = iter(loader)
+        held = [next(batches) for _ in range(3)]  # then leave the epoch with batches in flight
+        del batches, held
+    labels = np.concatenate([labels.numpy() for _, labels in loader])
+    gc.collect()
+    assert sorted(labels) == sorted(loader.reader.labels)
+    assert int((loader.batch_reader.pool.states == SENT).sum()) == 0
