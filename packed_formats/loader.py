@@ -192,7 +192,8 @@ class BatchReader(torch.utils.data.Dataset):
         generator = torch.Generator().manual_seed(seed)
         if torch.utils.data.get_worker_info() is not None:  # workers run one torch thread already
             _seed_globals(seed ^ 0x5EED)
-            return apply_transform(self.transform, images, generator)
+            with memory.outputs_in(None if self.pool is None else self.pool.take):
+                return apply_transform(self.transform, images, generator)  # float results born in a slot
         with _one_torch_thread():
             return apply_transform(self.transform, images, generator)
 

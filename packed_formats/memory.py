@@ -14,17 +14,21 @@ Two remedies, one per situation:
   after the main process has dropped every reference to the batch it carried
   (a finalizer on the received storage flips the slot's state back).  A batch
   the user keeps is never overwritten: the worker then takes another slot or a
-  fresh buffer.
+  fresh buffer.  Inside ``outputs_in(pool.take)``, transforms that produce the
+  float result (``Normalize``, ``ToFloat``) allocate it straight in a slot, so
+  a worker's augmented batch is written once and sent without a copy.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import math
 import sys
 import uuid
 import weakref
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -81,6 +85,36 @@ def empty(
     tensor = torch.empty(tuple(shape), dtype=dtype, device=device, memory_format=memory_format)
     advise_huge_pages(tensor)
     return tensor
+
+
+_output_allocator: contextvars.ContextVar = contextvars.ContextVar("packed_formats_output_allocator", default=None)
+
+
+@contextlib.contextmanager
+def outputs_in(allocate: Optional[Callable[..., Optional[torch.Tensor]]]) -> Iterator[None]:
+    """Within this block, ``empty_output`` first asks ``allocate(shape, dtype, memory_format)``
+    (a worker's ``SlotPool.take``) for the memory of a transform's result."""
+    token = _output_allocator.set(allocate)
+    try:
+        yield
+    finally:
+        _output_allocator.reset(token)
+
+
+def empty_output(
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device = torch.device("cpu"),
+    memory_format: torch.memory_format = torch.contiguous_format,
+) -> torch.Tensor:
+    """Memory for a transform's float result: where ``outputs_in`` says (so that a worker's
+    batch is born in the shared slot it is sent in), else ``empty``."""
+    allocate = _output_allocator.get()
+    if allocate is not None and torch.device(device).type == "cpu":
+        tensor = allocate(tuple(shape), dtype, memory_format)
+        if tensor is not None:
+            return tensor
+    return empty(shape, dtype, device, memory_format)
 
 
 # ---- shared buffers a worker reuses ----------------------------------------------------------------
@@ -182,8 +216,14 @@ class SlotPool(ProcessLocalHandle):
             return None
         return info.id
 
-    def take(self, shape: Sequence[int], dtype: torch.dtype = torch.uint8) -> Optional[torch.Tensor]:
-        """A contiguous ``shape`` tensor over a free slot of this worker, or None."""
+    def take(
+        self,
+        shape: Sequence[int],
+        dtype: torch.dtype = torch.uint8,
+        memory_format: torch.memory_format = torch.contiguous_format,
+    ) -> Optional[torch.Tensor]:
+        """A ``shape`` tensor over a free slot of this worker (contiguous, or channels-last
+        when asked for a [B,C,H,W] one), or None."""
         nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
         worker = self._worker()
         if worker is None or nbytes < self.min_bytes:
@@ -199,6 +239,10 @@ class SlotPool(ProcessLocalHandle):
             buffers.storages[index] = torch.UntypedStorage._new_shared(nbytes)
         buffers.reserved.add(index)
         storage = buffers.storages[index]
+        if memory_format == torch.channels_last and len(shape) == 4:
+            b, c, h, w = shape
+            nhwc = torch.empty(0, dtype=dtype).set_(storage, 0, (b, h, w, c), _contiguous_strides((b, h, w, c)))
+            return nhwc.permute(0, 3, 1, 2)
         return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape), _contiguous_strides(shape))
 
     def _slot_of(self, tensor: torch.Tensor) -> Optional[int]:
@@ -225,21 +269,21 @@ class SlotPool(ProcessLocalHandle):
 
     def _copy_into_slot(self, tensor: torch.Tensor) -> Optional[torch.Tensor]:
         """A copy of ``tensor`` in a free slot, in the same memory format; None if none is free."""
-        channels_last = tensor.dim() == 4 and memory_format_of(tensor) == torch.channels_last
-        if channels_last:
-            b, c, h, w = tensor.shape
-            slot = self.take((b, h, w, c), tensor.dtype)
-            pooled = None if slot is None else slot.permute(0, 3, 1, 2)
-        else:
-            pooled = self.take(tensor.shape, tensor.dtype)
+        memory_format = memory_format_of(tensor) if tensor.dim() == 4 else torch.contiguous_format
+        pooled = self.take(tensor.shape, tensor.dtype, memory_format)
         if pooled is not None:
             pooled.copy_(tensor)
         return pooled
 
     def end_batch(self) -> None:
-        """Forget this batch's reservations (slots taken but not sent stay free)."""
-        if self._worker() is not None:
-            self._handle().reserved.clear()
+        """Close this batch: slots it took but did not send are let go, not reused, since
+        something other than the main process might still hold them."""
+        if self._worker() is None:
+            return
+        buffers = self._handle()
+        for index in buffers.reserved:
+            buffers.storages[index] = None
+        buffers.reserved.clear()
 
 
 class _Buffers:

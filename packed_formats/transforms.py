@@ -266,7 +266,7 @@ class ToFloat(BatchTransform):
 
     def forward(self, batch: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
         _check_batch(batch)
-        out = _empty(batch, *batch.shape[-2:], dtype=self.dtype)
+        out = memory.empty_output(batch.shape, self.dtype, batch.device, memory_format_of(batch))
         out.copy_(batch)
         return out.mul_(1 / 255) if batch.dtype == torch.uint8 else out
 
@@ -296,7 +296,7 @@ class Normalize(BatchTransform):
         scale = torch.tensor([1 / (s * unit) for s in self.std], dtype=self.dtype)
         shift = torch.tensor([-m / s for m, s in zip(self.mean, self.std)], dtype=self.dtype)
         channels_last = memory_format_of(batch) == torch.channels_last
-        out = memory.empty((b, h, w, c) if channels_last else (b, c, h, w), self.dtype, batch.device)
+        out = memory.empty_output((b, h, w, c) if channels_last else (b, c, h, w), self.dtype, batch.device)
         source = batch.permute(0, 2, 3, 1) if channels_last else batch
         # rows whose per-element scale repeats: [B, H, W*C] (NHWC) or [B, C, H*W] (NCHW)
         if channels_last:

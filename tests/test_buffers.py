@@ -102,12 +102,29 @@ def test_a_batch_outside_the_pool_is_sent_as_a_copy_in_a_slot(as_worker):
     assert round_trip(pool.send(batch.clone())).untyped_storage().data_ptr() != received.untyped_storage().data_ptr()
 
 
-def test_slots_taken_within_one_batch_are_distinct(as_worker):
+def test_slots_taken_within_one_batch_are_distinct_and_unsent_ones_are_never_reused(as_worker):
     pool = SlotPool(1, slots=3, min_bytes=0)
     a, b = pool.take((8, 8)), pool.take((8, 8))
     assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
-    pool.end_batch()
-    assert pool.take((8, 8)).untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+    a.fill_(7)
+    pool.end_batch()  # a and b were not sent: whoever still holds them keeps them as they are
+    c = pool.take((8, 8))
+    c.fill_(0)
+    assert torch.all(a == 7)
+    assert c.untyped_storage().data_ptr() not in {a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr()}
+
+
+@pytest.mark.parametrize("transform", [T.Normalize(), T.ToFloat()], ids=["normalize", "to_float"])
+def test_float_results_are_born_in_a_slot_and_sent_without_a_copy(as_worker, transform):
+    pool = SlotPool(1, slots=2, min_bytes=0)
+    batch = torch.randint(0, 256, (2, 5, 6, 3), dtype=torch.uint8).permute(0, 3, 1, 2)
+    expected = transform(batch)
+    with memory.outputs_in(pool.take):
+        out = transform(batch)
+    assert torch.equal(out, expected) and out.is_contiguous(memory_format=torch.channels_last)
+    sent = pool.send(out)
+    assert sent.tensor is out and pool.states[0].tolist().count(SENT) == 1
+    assert torch.equal(round_trip(sent), expected)
 
 
 def test_a_too_small_free_slot_is_replaced(as_worker):
