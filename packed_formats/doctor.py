@@ -186,14 +186,21 @@ def _torchvision_jpeg() -> Dict[str, Any]:
 
 
 def shm_info(batch_bytes: int, workers: int) -> Dict[str, Any]:
-    """/dev/shm size against the batches DataLoader workers keep there."""
-    needed = workers * PREFETCH_FACTOR * batch_bytes
+    """/dev/shm size against the batches DataLoader workers keep there (make_loader's
+    workers keep up to ``memory.SLOTS_PER_WORKER`` batches each, reused)."""
+    from .memory import SLOTS_PER_WORKER
+
+    per_worker = max(PREFETCH_FACTOR, SLOTS_PER_WORKER)
+    needed = workers * per_worker * batch_bytes
     try:
         usage = shutil.disk_usage(SHM)
         total, free = usage.total, usage.free
     except OSError:
         total = free = None
-    return {"path": SHM, "total_bytes": total, "free_bytes": free, "batch_bytes": batch_bytes, "needed_bytes": needed}
+    return {
+        "path": SHM, "total_bytes": total, "free_bytes": free, "batch_bytes": batch_bytes,
+        "batches_per_worker": per_worker, "needed_bytes": needed,
+    }
 
 
 def memory_info() -> Dict[str, Any]:
@@ -480,7 +487,7 @@ def _shm_advice(report: Dict[str, Any]) -> Advice:
         yield "warning", f"{shm['path']} is missing: DataLoader workers need shared memory to hand batches over."
         return
     what = (
-        f"{report['cpu']['suggested_num_workers']} worker(s) x {PREFETCH_FACTOR} prefetched batches of "
+        f"{report['cpu']['suggested_num_workers']} worker(s) x {shm['batches_per_worker']} batches of "
         f"{_size(shm['batch_bytes'])} need about {_size(shm['needed_bytes'])} of {shm['path']}"
     )
     if shm["free_bytes"] < shm["needed_bytes"]:

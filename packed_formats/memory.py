@@ -39,6 +39,7 @@ HUGE_PAGE = 2 << 20
 MIN_ADVISED_BYTES = 4 * HUGE_PAGE  # below this the saving is small
 MADV_HUGEPAGE = 14
 POOLED_MIN_BYTES = 1 << 20  # smaller batches are cheap to send the ordinary way
+SLOTS_PER_WORKER = 4  # DataLoader's 2 batches in flight, one being made, one the training step holds
 FREE, SENT = 0, 1
 
 
@@ -189,7 +190,7 @@ class SlotPool(ProcessLocalHandle):
     go the ordinary way.
     """
 
-    def __init__(self, workers: int, slots: int = 4, min_bytes: int = POOLED_MIN_BYTES) -> None:
+    def __init__(self, workers: int, slots: int = SLOTS_PER_WORKER, min_bytes: int = POOLED_MIN_BYTES) -> None:
         self.token, self.min_bytes = uuid.uuid4().hex, min_bytes
         self.states = torch.zeros((max(1, workers), slots), dtype=torch.uint8).share_memory_()
         self.enabled = storage_lifetime_is_tracked()
