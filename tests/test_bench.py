@@ -14,9 +14,9 @@ from PIL import Image
 
 import packed_formats as pf
 from packed_formats.bench import BenchConfig, format_table, run_benchmark
-from packed_formats.bench.environment import filesystem_type
+from packed_formats.bench.environment import archive_files, filesystem_type
 from packed_formats.bench.measure import time_epoch
-from packed_formats.bench.pagecache import evict, resident_bytes
+from packed_formats.bench.pagecache import evict, resident_bytes, warm
 from packed_formats.bench.references import bare_decode_rate, copy_bound_rate
 from packed_formats.bench.report import rate
 from packed_formats.bench.seed import TutorialMemmapData, TutorialRandomCrop, TutorialRandomHFlip
@@ -147,6 +147,26 @@ def test_cold_run_attempts_eviction_before_every_epoch(archives):
             assert eviction["attempted"] and eviction["files"] >= 1 and eviction["advised"] == eviction["files"]
             assert "resident_after" in eviction
     assert "cold (page cache evicted before each epoch)" in format_table(results)
+
+
+def test_warm_run_reads_the_whole_target_into_the_page_cache_first(archives):
+    config = BenchConfig(workers=[0], batch_size=8, epochs=1, warmup=1, size=16,
+                         references=False, seed_tutorial=False, loader="dataset")
+    results = run_benchmark([archives[("memmap", "raw")], archives[("folder", "encoded")]], config, log=lambda s: None)
+    for row in results["runs"]:
+        files = archive_files(row["path"])
+        assert row["warmed"]["files"] == len(files)
+        assert row["warmed"]["bytes_read"] == sum(os.path.getsize(f) for f in files)
+
+
+def test_warm_brings_an_evicted_file_back(tmp_path):
+    path = tmp_path / "data.bin"
+    path.write_bytes(os.urandom(1 << 20))
+    if resident_bytes(str(path)) is None or filesystem_type(str(path)) in ("tmpfs", "ramfs"):
+        pytest.skip("page-cache residency cannot be measured or evicted here")
+    evict(str(path))
+    record = warm(str(path))
+    assert record["bytes_read"] == 1 << 20 and record["resident_after"] == 1 << 20
 
 
 def test_evict_drops_a_read_file_from_the_page_cache(tmp_path):

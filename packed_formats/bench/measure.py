@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
-from .pagecache import evict
+from .pagecache import evict, warm
 
 
 def batch_size_of(batch: Any) -> int:
@@ -170,15 +170,18 @@ def time_loader(
     warmup: int,
     max_batches: Optional[int] = None,
     cold_path: Optional[str] = None,
+    warm_path: Optional[str] = None,
 ) -> Dict[str, Any]:
     """Time ``epochs`` passes over the loader that ``make_loader()`` builds.
 
-    Warm runs build the loader once and reuse it.  Cold runs (``cold_path``
-    given) drop the previous loader, evict ``cold_path`` from the page cache
-    and build a fresh loader before each epoch, so that no process still maps
-    the archive (mapped pages cannot be evicted).
+    Warm runs read ``warm_path`` (when given) into the page cache, then build
+    the loader once and reuse it.  Cold runs (``cold_path`` given) drop the
+    previous loader, evict ``cold_path`` from the page cache and build a fresh
+    loader before each epoch, so that no process still maps the archive
+    (mapped pages cannot be evicted).
     """
     records = []
+    warmed = warm(warm_path) if warm_path and not cold_path else None
     loader = None if cold_path else make_loader()
     with MemorySampler() as sampler:
         for epoch in range(epochs):
@@ -199,9 +202,12 @@ def time_loader(
             f"no batches were left to time after {warmup} warm-up batches per epoch; "
             "lower --warmup or --batch-size, or raise --max-batches"
         )
-    return {
+    result = {
         "epochs": records,
         "images_per_s": summarise([r["images_per_s"] for r in records]),
         "first_batch_s": summarise([r["first_batch_s"] for r in records]),
         "memory": sampler.result(),
     }
+    if warmed is not None:
+        result["warmed"] = warmed
+    return result

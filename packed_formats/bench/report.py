@@ -18,6 +18,9 @@ GOALS = (
     ("encoded vs bare decode", ("*", "encoded", "none"), "vs_limit", 0.85),
 )
 
+COLD = "cold (page cache evicted before each epoch)"
+WARM = "warm page cache (each target read once before timing)"
+
 
 def rate(row: Dict[str, Any]) -> Optional[float]:
     """The median images/s of a run, or None if it failed."""
@@ -128,7 +131,7 @@ def format_table(results: Dict[str, Any]) -> str:
     lines = [
         f"packed-formats bench: batch {config['batch_size']}, {config['epochs']} epochs, "
         f"{config['warmup']} warm-up batches per epoch excluded, start method {config['start_method']}, "
-        f"{'cold (page cache evicted before each epoch)' if config['cold'] else 'warm page cache'}, "
+        f"{COLD if config['cold'] else WARM}, "
         f"{'shuffled' if config['shuffle'] else 'in order'}",
         f"environment: {env['cpus']['usable'] or env['cpus']['logical']} CPUs, torch {env['versions']['torch']}, "
         f"torchvision {env['versions']['torchvision']}, libjpeg-turbo in Pillow: "

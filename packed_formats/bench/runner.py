@@ -125,7 +125,8 @@ def measure_one(target: Dict[str, Any], loader: str, pipeline: str, workers: int
         with loaders.default_start_method(config.start_method if workers else None):
             row.update(measure.time_loader(lambda: build_loader(target, loader, pipeline, workers, config),
                                            config.epochs, config.warmup, config.max_batches,
-                                           cold_path=target["path"] if config.cold else None))
+                                           cold_path=target["path"] if config.cold else None,
+                                           warm_path=None if config.cold else target["path"]))
     except (PackedFormatError, RuntimeError, ValueError, OSError, TypeError) as exc:
         row["error"] = f"{type(exc).__name__}: {exc}"
     return row
