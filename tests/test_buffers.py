@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+import subprocess
+import sys
 from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
@@ -195,3 +197,27 @@ def test_leaving_epochs_early_leaves_no_slot_held(uniform, persistent):
     gc.collect()
     assert sorted(labels) == sorted(loader.reader.labels)
     assert int((loader.batch_reader.pool.states == SENT).sum()) == 0
+
+
+def test_pooling_works_under_the_file_system_sharing_strategy(uniform_archives, tmp_path):
+    # HPC users switch to "file_system" when workers run out of file descriptors
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "import gc, sys, torch, torch.multiprocessing\n"
+        "import packed_formats as pf\n"
+        "torch.multiprocessing.set_sharing_strategy('file_system')\n"
+        "loader = pf.make_loader(sys.argv[1], batch_size=2, num_workers=2, shuffle=False)\n"
+        "loader.batch_reader.pool.min_bytes = 0\n"
+        "kept = [images for _ in range(2) for images, _ in loader]\n"
+        "expected = torch.stack([pf.PackedDataset(sys.argv[1])[i][0] for i in range(len(loader.reader))])\n"
+        "assert all(torch.equal(b, expected[2 * (k % len(loader)):][:2]) for k, b in enumerate(kept))\n"
+        "states = loader.batch_reader.pool.states\n"
+        "assert int(states.sum()) == states.numel(), states\n"
+        "del kept\n"
+        "gc.collect()\n"
+        "assert int(states.sum()) == 0, states\n"
+        "print('ok')\n"
+    )
+    path = uniform_archives[("lmdb", "raw")]
+    done = subprocess.run([sys.executable, str(script), path], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
