@@ -164,11 +164,43 @@ def test_compose_accepts_plain_callables():
     assert out.shape == (1, 3, 4, 4) and int(out.min()) == 1
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_gathered_crops_equal_the_per_sample_windows(layout):
+    batch = position_batch()
+    if layout == "channels_last":
+        batch = batch.contiguous(memory_format=torch.channels_last)
+    crop = T.RandomCrop((8, 10))
+    tops, lefts = crop.get_params(8, 20, 30, gen(3))
+    assert torch.equal(T.gathered_crops(batch, tops, lefts, (8, 10)), crop(batch, generator=gen(3)))
+
+
+@pytest.mark.parametrize("antialias", [True, False], ids=["antialias", "plain"])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32], ids=["uint8", "float"])
+def test_batched_resized_crops_equal_per_sample_interpolate(dtype, antialias):
+    """The matrix form the GPU uses gives the CPU's crop-then-interpolate, up- and downscaling."""
+    batch = torch.randint(0, 256, (16, 3, 64, 80), generator=gen(), dtype=torch.uint8)
+    batch = batch.contiguous(memory_format=torch.channels_last)
+    if dtype == torch.float32:
+        batch = batch.float() / 255
+    crop = T.RandomResizedCrop((40, 48), scale=(0.05, 1.0), antialias=antialias)
+    boxes = crop.get_params(16, 64, 80, gen(1))
+    assert bool((boxes[2] < 40).any() and (boxes[2] > 40).any())  # both directions are exercised
+    batched, per_sample = T.resized_crops(batch, boxes, (40, 48), antialias), crop(batch, generator=gen(1))
+    assert batched.dtype == dtype and batched.is_contiguous(memory_format=torch.channels_last)
+    if dtype == torch.uint8:  # the CPU resizes uint8 in fixed point: rounding may differ by one
+        assert int((batched.int() - per_sample.int()).abs().max()) <= 1
+    else:
+        assert torch.allclose(batched, per_sample, atol=1e-5)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_transforms_on_cuda_match_the_cpu_crop_offsets():
+def test_transforms_on_cuda_match_the_cpu_ones():
     batch = torch.randint(0, 256, (8, 3, 32, 32), generator=gen(), dtype=torch.uint8)
     cpu = T.RandomCrop(16)(batch, generator=gen(7))
     cuda = T.RandomCrop(16)(batch.cuda(), generator=gen(7))
     assert torch.equal(cpu, cuda.cpu())
-    out = T.train(16)(batch.cuda(), generator=gen(7))
-    assert out.device.type == "cuda" and out.shape == (8, 3, 16, 16)
+    cpu, cuda = T.train(16)(batch, generator=gen(7)), T.train(16)(batch.cuda(), generator=gen(7))
+    assert cuda.device.type == "cuda" and cuda.shape == (8, 3, 16, 16)
+    assert float((cpu - cuda.cpu()).abs().max()) <= 1.01 / 255 / min(T.IMAGENET_STD)  # uint8 rounding at most
+    val_cpu, val_cuda = T.val(16)(batch), T.val(16)(batch.cuda())
+    assert float((val_cpu - val_cuda.cpu()).abs().max()) <= 1.01 / 255 / min(T.IMAGENET_STD)
