@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -233,3 +234,54 @@ def test_bad_settings_are_refused_before_anything_runs(archives, capsys):
     assert "epochs" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["bench", path, "--workers", "two"])
+
+
+def test_a_device_that_is_not_there_is_refused_in_one_line(archives, capsys):
+    path = archives[("memmap", "raw")]
+    assert main(["bench", path, "--workers", "0", "--device", "tpu"]) == 2
+    assert "device must be cpu or cuda" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["bench", path, "--workers", "0", "--device", "cuda"]) == 2
+        err = capsys.readouterr().err
+        assert "cuda" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_time_epoch_counts_gpu_work_that_is_still_queued_when_a_batch_arrives():
+    def batches():
+        for _ in range(3):
+            images = torch.zeros(4, 3, device="cuda")
+            torch.cuda._sleep(200_000_000)  # queued behind the batch: ~0.1 s or more of GPU time
+            yield images.add_(1), torch.zeros(4)
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    torch.cuda._sleep(200_000_000)
+    torch.cuda.synchronize()
+    one_sleep = time.perf_counter() - start
+    record = time_epoch(batches(), warmup=1)
+    assert record["timed_seconds"] >= 1.5 * one_sleep  # two timed batches, each waited for
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_bench_times_make_loader_against_a_plain_copy_of_the_same_batches(archives):
+    paths = [archives[("folder", "encoded")], archives[("memmap", "raw")], archives[("zip", "encoded")]]
+    config = BenchConfig(workers=[0, 1], batch_size=8, epochs=2, warmup=1, size=16, start_method="spawn",
+                         pipelines=["none", "train"], device="cuda", reference_seconds=0.2)
+    results = run_benchmark(paths, config, log=lambda line: None)
+    assert results["environment"]["gpu"]["name"] == torch.cuda.get_device_name()
+    assert all(r["error"] is None for r in results["runs"]), [r["error"] for r in results["runs"]]
+    def find(loader, path, pipeline, workers):
+        rows = [r for r in results["runs"] if (r["loader"], r["path"], r["pipeline"], r["workers"]) ==
+                (loader, os.path.abspath(path), pipeline, workers)]
+        assert len(rows) == 1
+        return rows[0]
+
+    for pipeline in ("none", "train"):
+        for path in paths[1:]:
+            for w in (0, 1):
+                fast, plain = find("make_loader", path, pipeline, w), find("plain-to-device", path, pipeline, w)
+                assert fast["ratios"]["vs_plain_copy"] == pytest.approx(rate(fast) / rate(plain))
+    seed = {r["workers"] for r in results["runs"] if r["loader"] == "seed-tutorial"}
+    assert seed == {0}  # the tutorial moves batches to the GPU in collate_fn: main process only
+    assert "plain .to" in format_table(results)

@@ -107,7 +107,18 @@ def size_on_disk(path: str) -> Dict[str, int]:
     return {"bytes_on_disk": allocated, "apparent_bytes": apparent, "files": len(files)}
 
 
-def describe_environment() -> Dict[str, object]:
+def gpu(device: str = "cpu") -> Optional[Dict[str, object]]:
+    """Name, memory and CUDA version of the GPU a benchmark on ``device`` uses, or None on the CPU."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    props = torch.cuda.get_device_properties(torch.device(device))
+    return {"name": props.name, "memory_gib": round(props.total_memory / 2**30, 1),
+            "multiprocessors": props.multi_processor_count, "cuda": torch.version.cuda}
+
+
+def describe_environment(device: str = "cpu") -> Dict[str, object]:
     """Everything about the machine that a reader of the results needs."""
     return {
         "platform": platform.platform(),
@@ -115,4 +126,6 @@ def describe_environment() -> Dict[str, object]:
         "cpus": cpu_count(),
         "versions": versions(),
         "jpeg": jpeg_support(),
+        "device": device,
+        "gpu": gpu(device),
     }

@@ -29,6 +29,19 @@ def batch_size_of(batch: Any) -> int:
     return len(images)
 
 
+def wait_for(batch: Any) -> None:
+    """Wait until a batch on a CUDA device is ready (its copy and transform ran on the current stream).
+
+    CUDA work is asynchronous; without this a GPU loader would be timed by how
+    fast it queues work, not by when its batches exist.
+    """
+    images = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
+    if getattr(images, "is_cuda", False):
+        import torch
+
+        torch.cuda.current_stream(images.device).synchronize()
+
+
 def read_pss(pid: int) -> Optional[int]:
     """Proportional set size of ``pid`` in bytes from /proc/PID/smaps_rollup, or None."""
     try:
@@ -121,6 +134,7 @@ def time_epoch(loader: Iterable, warmup: int, max_batches: Optional[int] = None,
     timed_from = None
     last = start
     for batch in iterator:
+        wait_for(batch)
         last = time.perf_counter()
         n = batch_size_of(batch)
         batches += 1

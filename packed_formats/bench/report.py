@@ -57,6 +57,8 @@ def add_ratios(results: Dict[str, Any]) -> None:
         at = (row["pipeline"], row["workers"])
         if row["loader"] in ("torchvision-imagefolder", "seed-tutorial"):
             by_kind.setdefault((row["loader"],) + at, r)
+        elif row["loader"] == "plain-to-device":
+            by_kind.setdefault((row["loader"], row["path"]) + at, r)
         elif row["format"] == "memmap" and row["mode"] == "raw":
             by_kind.setdefault(("memmap", row["loader"], tuple(row["shape"])) + at, r)
     for row in runs:
@@ -72,6 +74,8 @@ def add_ratios(results: Dict[str, Any]) -> None:
             ratios["vs_seed_tutorial"] = _ratio(r, by_kind.get(("seed-tutorial",) + at))
             if row["format"] != "memmap":
                 ratios["vs_raw_memmap"] = _ratio(r, by_kind.get(("memmap", row["loader"], tuple(row["shape"])) + at))
+        if row["loader"] == "make_loader":
+            ratios["vs_plain_copy"] = _ratio(r, by_kind.get(("plain-to-device", row["path"]) + at))
         row["ratios"] = {k: v for k, v in ratios.items() if v is not None}
     results["goals"] = check_goals(runs)
 
@@ -103,7 +107,7 @@ def _run_cells(row: Dict[str, Any]) -> List[str]:
     kind = f"{row['format']}/{row['mode']}"
     head = [row["pipeline"], row["target"], row["loader"], kind, str(row["workers"])]
     if row.get("error"):
-        return head + ["FAILED"] + [""] * 8
+        return head + ["FAILED"] + [""] * (len(HEADER) - len(head) - 1)
     ips, first, mem, ratios = row["images_per_s"], row["first_batch_s"], row["memory"], row.get("ratios", {})
     spread = f"{_fmt(ips['min'], ',.0f')}-{_fmt(ips['max'], ',.0f')}"
     return head + [
@@ -111,11 +115,12 @@ def _run_cells(row: Dict[str, Any]) -> List[str]:
         f"{mem['peak_main_mib']:.0f}/{mem['peak_workers_total_mib']:.0f}",
         _fmt(ratios.get("vs_limit"), ".2f", "x"), _fmt(ratios.get("vs_imagefolder"), ".1f", "x"),
         _fmt(ratios.get("vs_seed_tutorial"), ".1f", "x"), _fmt(ratios.get("vs_raw_memmap"), ".2f", "x"),
+        _fmt(ratios.get("vs_plain_copy"), ".2f", "x"),
     ]
 
 
 HEADER = ["pipeline", "target", "loader", "format", "workers", "img/s", "min-max", "1st batch",
-          "MiB main/workers", "vs limit", "vs folder", "vs seed", "vs memmap"]
+          "MiB main/workers", "vs limit", "vs folder", "vs seed", "vs memmap", "vs plain .to"]
 
 
 def _grid(rows: List[List[str]], header: List[str]) -> List[str]:
@@ -136,6 +141,7 @@ def format_table(results: Dict[str, Any]) -> str:
         f"environment: {env['cpus']['usable'] or env['cpus']['logical']} CPUs, torch {env['versions']['torch']}, "
         f"torchvision {env['versions']['torchvision']}, libjpeg-turbo in Pillow: "
         f"{'yes' if env['jpeg']['pillow_libjpeg_turbo'] else 'no'}",
+        _device_line(env),
         f"img/s = median over epochs; memory = peak {_memory_metric(results).upper()} of the main process / "
         "sum over worker processes",
         "",
@@ -165,18 +171,33 @@ def format_table(results: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _device_line(env: Dict[str, Any]) -> str:
+    gpu = env.get("gpu")
+    if not gpu:
+        return "device: cpu (transforms run in the loader's workers)"
+    return (f"device: {env['device']}, {gpu['name']} ({gpu['memory_gib']} GiB, CUDA {gpu['cuda']}); make_loader pins "
+            "batches, copies them on a side stream and transforms on the GPU; 'plain-to-device' rows read the same "
+            "batches and copy them with a plain .to()")
+
+
 def _memory_metric(results: Dict[str, Any]) -> str:
     return next((r["memory"]["metric"] for r in results["runs"] if "memory" in r), "pss")
 
 
 def notes_for(results: Dict[str, Any]) -> List[str]:
-    """Errors and cold-run eviction problems, one line each."""
+    """Errors, epochs too short for the read-ahead of the workers, and cold-run eviction problems, one line each."""
     notes = []
     for row in results["runs"]:
         tag = f"{row['pipeline']} {row['target']} {row['workers']} workers"
         if row.get("error"):
             notes.append(f"{tag}: {row['error']}")
-        elif row.get("cold"):
+            continue
+        timed = min(e["batches"] - e["warmup_batches"] for e in row["epochs"])
+        ahead = 2 * row["workers"]  # DataLoader's default prefetch_factor
+        if timed < 2 * ahead:
+            notes.append(f"{tag}: only {timed} timed batches per epoch while workers keep {ahead} in flight: "
+                         "batches read ahead during warm-up inflate this rate (use more samples or fewer workers)")
+        if row.get("cold"):
             note = eviction_note([e["eviction"] for e in row["epochs"] if "eviction" in e])
             if note:
                 notes.append(f"{tag}: {note}")

@@ -37,6 +37,11 @@ class BenchConfig:
     decode_size: Optional[int] = None  # None: round(size * 256 / 224), the usual resize before a crop
     source: Optional[str] = None
     reference_seconds: float = 1.0
+    device: str = "cpu"  # "cuda": make_loader copies to the GPU and transforms there
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.device.startswith("cuda")
 
     @property
     def decode_to(self) -> int:
@@ -60,6 +65,13 @@ class BenchConfig:
                              f"choose one of {', '.join(multiprocessing.get_all_start_methods())}")
         if self.loader not in loaders.LOADERS:
             raise ValueError(f"loader must be one of {', '.join(loaders.LOADERS)}")
+        if self.device != "cpu" and not self.on_cuda:
+            raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        if self.on_cuda:
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError(f"device {self.device} was asked for, but torch.cuda.is_available() is False")
 
 
 def describe_target(path: str, source_bytes: Optional[int]) -> Dict[str, Any]:
@@ -102,13 +114,19 @@ def build_loader(target: Dict[str, Any], loader: str, pipeline: str, workers: in
     """The DataLoader-like iterable for one measurement."""
     common = (pipeline, config.size, config.batch_size, workers, config.shuffle, config.start_method)
     if loader == "torchvision-imagefolder":
-        return loaders.imagefolder_loader(target["path"], *common)
-    if loader == "seed-tutorial":
+        built = loaders.imagefolder_loader(target["path"], *common)
+    elif loader == "seed-tutorial":
         return tutorial_loader(target["path"], pipeline, config.size, config.batch_size, workers,
-                               config.shuffle, config.start_method)
-    if loader == "make_loader":
-        return loaders.make_loader_loader(target["path"], target["mode"], *common, decode_size=config.decode_to)
-    return loaders.dataset_loader(target["path"], target["mode"], *common)
+                               config.shuffle, config.start_method, device=config.device)
+    elif loader == "make_loader":
+        return loaders.make_loader_loader(target["path"], target["mode"], *common, decode_size=config.decode_to,
+                                          device=config.device)
+    elif loader == "plain-to-device":
+        return loaders.PlainCopyLoader(target["path"], target["mode"], *common, decode_size=config.decode_to,
+                                       device=config.device)
+    else:
+        built = loaders.dataset_loader(target["path"], target["mode"], *common)
+    return loaders.ToDevice(built, config.device) if config.on_cuda else built
 
 
 def measure_one(target: Dict[str, Any], loader: str, pipeline: str, workers: int, config: BenchConfig,
@@ -184,7 +202,7 @@ def run_benchmark(paths: Sequence[str], config: Optional[BenchConfig] = None,
         "schema": 1,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "config": dataclasses.asdict(config),
-        "environment": dict(environment.describe_environment(),
+        "environment": dict(environment.describe_environment(config.device),
                             filesystems={t["name"]: t["filesystem"] for t in targets}),
         "timing": measure.__doc__.strip().split("\n\n")[1].replace("\n", " "),
         "targets": targets,
@@ -200,8 +218,14 @@ def run_benchmark(paths: Sequence[str], config: Optional[BenchConfig] = None,
             for workers in config.workers:
                 log(f"{pipeline:5} {target['name']} via {loader}, {workers} workers")
                 results["runs"].append(measure_one(target, loader, pipeline, int(workers), config, role))
-            if config.seed_tutorial and target["format"] == "memmap" and target["mode"] == "raw":
+            if config.on_cuda and loader == "make_loader":
                 for workers in config.workers:
+                    log(f"{pipeline:5} {target['name']} via a plain .to({config.device}), {workers} workers")
+                    results["runs"].append(measure_one(target, "plain-to-device", pipeline, int(workers), config,
+                                                       "baseline"))
+            if config.seed_tutorial and target["format"] == "memmap" and target["mode"] == "raw":
+                # the tutorial moves batches to the GPU in its collate_fn: in the main process only
+                for workers in [w for w in config.workers if not (config.on_cuda and int(w))]:
                     log(f"{pipeline:5} seed-tutorial loader on {target['name']}, {workers} workers")
                     results["runs"].append(measure_one(target, "seed-tutorial", pipeline, int(workers), config,
                                                        "baseline"))

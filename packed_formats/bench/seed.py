@@ -129,8 +129,8 @@ class TutorialCollate(nn.Module):
 
     def __init__(self, transform: Optional[nn.Module] = None, device: str = "cpu") -> None:
         super().__init__()
-        self.transform = transform
         self.device = torch.device(device)
+        self.transform = None if transform is None else transform.to(self.device)  # its buffers too
 
     def __call__(self, batch: Tuple[torch.Tensor, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
         images, targets = batch

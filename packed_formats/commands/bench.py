@@ -13,6 +13,7 @@ examples:
   packed-formats bench data/images data/train.zip data/train-raw.memmap
   packed-formats bench data/*.h5 --workers 0,2,4 --pipeline none,train --size 224 --out r.json --plot r.png
   packed-formats bench data/train.lmdb --cold --epochs 3 --warmup 2
+  packed-formats bench data/train-raw.memmap --device cuda --pipeline train --workers 0,4
 
 Targets are archives of any format, or an ImageFolder tree (timed with
 torchvision.datasets.ImageFolder and its standard transforms: the baseline).
@@ -67,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip the seed tutorial's loader on raw memmap archives")
     parser.add_argument("--reference-seconds", type=float, default=1.0,
                         help="seconds spent measuring each reference point (1.0)")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu, or cuda[:N]: make_loader copies pinned batches to the GPU ahead of use and "
+                             "transforms them there; each archive is also timed with a plain .to(device) (cpu)")
     parser.add_argument("--source", default=None, help="the source ImageFolder, to compare archive sizes with")
     parser.add_argument("--out", default=None, help="write every measurement to this JSON file")
     parser.add_argument("--plot", default=None, help="save a PNG plot of images/s here (needs matplotlib)")
@@ -80,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         max_batches=args.max_batches, pipelines=args.pipeline, size=args.size, start_method=args.start_method,
         cold=args.cold, shuffle=args.shuffle, loader=args.loader, references=args.references,
         seed_tutorial=args.seed_tutorial, source=args.source, decode_size=args.decode_size,
-        reference_seconds=args.reference_seconds,
+        reference_seconds=args.reference_seconds, device=args.device,
     )
     results = run_benchmark(args.paths, config)
     print(format_table(results))
