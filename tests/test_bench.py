@@ -150,6 +150,22 @@ def test_cold_run_attempts_eviction_before_every_epoch(archives):
     assert "cold (page cache evicted before each epoch)" in format_table(results)
 
 
+def test_val_and_train_pipelines_run_on_every_kind_of_target_and_the_baselines(archives):
+    paths = [archives[k] for k in (("folder", "encoded"), ("memmap", "raw"), ("zip", "encoded"), ("lmdb", "raw"))]
+    config = BenchConfig(workers=[0], batch_size=8, epochs=1, warmup=1, size=16, pipelines=["val", "train"],
+                         references=False, reference_seconds=0.1)
+    results = run_benchmark(paths, config, log=lambda s: None)
+    runs = {(r["loader"], r["path"], r["pipeline"]) for r in results["runs"] if r["error"] is None}
+    for pipeline in ("val", "train"):
+        assert ("torchvision-imagefolder", os.path.abspath(paths[0]), pipeline) in runs
+        assert ("seed-tutorial", os.path.abspath(paths[1]), pipeline) in runs
+        for path in paths[1:]:
+            assert ("make_loader", os.path.abspath(path), pipeline) in runs
+    assert all(r["error"] is None for r in results["runs"]), [r["error"] for r in results["runs"]]
+    fast = [r for r in results["runs"] if r["loader"] == "make_loader" and r["pipeline"] == "train"]
+    assert all(r["ratios"]["vs_imagefolder"] > 0 for r in fast)
+
+
 def test_warm_run_reads_the_whole_target_into_the_page_cache_first(archives):
     config = BenchConfig(workers=[0], batch_size=8, epochs=1, warmup=1, size=16,
                          references=False, seed_tutorial=False, loader="dataset")
