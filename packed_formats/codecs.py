@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import io
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Tuple
 
 import numpy as np
 from PIL import Image
@@ -27,14 +27,73 @@ def sniff(data: bytes) -> Optional[str]:
     return None
 
 
-def open_image(data: bytes) -> Image.Image:
-    """A fully loaded PIL image from encoded bytes, or DecodeError."""
+class _EncodedBytes(io.BytesIO):
+    """Encoded image bytes that note when the decoder asks for data past their end.
+
+    ``PIL.ImageFile.LOAD_TRUNCATED_IMAGES = True`` (a process-wide switch that
+    training scripts often set) makes Pillow fill a truncated image with gray
+    instead of raising.  Watching our own stream detects the truncation
+    whatever that switch says, without touching it (other threads may rely on it).
+    """
+
+    watching = False
+    ran_dry = False
+
+    def read(self, size: Optional[int] = -1) -> bytes:
+        chunk = super().read(size)
+        if self.watching and not chunk and size != 0:
+            self.ran_dry = True
+        return chunk
+
+
+# Formats whose pixel decoding never reads past the end of a complete file.
+_STRICT_FORMATS = ("JPEG", "MPO", "PNG")
+
+
+Draft = Tuple[str, Tuple[int, int]]
+
+
+def open_image(data: bytes, draft: "Draft | Callable[[Tuple[int, int]], Draft] | None" = None) -> Image.Image:
+    """A fully loaded PIL image from encoded bytes, or DecodeError.
+
+    A truncated JPEG or PNG raises DecodeError even when
+    ``PIL.ImageFile.LOAD_TRUNCATED_IMAGES`` is set.  ``draft=(mode, (width,
+    height))`` lets a JPEG decode at a reduced scale still covering that size
+    (``Image.draft``); a callable gets the stored (width, height) and returns it.
+    """
+    stream = _EncodedBytes(data)
     try:
-        image = Image.open(io.BytesIO(data))
-        image.load()  # Image.open is lazy: truncation only shows up here
+        image = Image.open(stream)
+        if draft is not None and image.format == "JPEG":
+            image.draft(*(draft(image.size) if callable(draft) else draft))
+        _load_strictly(image, stream)  # Image.open is lazy: truncation only shows up here
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
         raise DecodeError(_describe(exc, data)) from None
     return image
+
+
+def _load_strictly(image: Image.Image, stream: _EncodedBytes) -> None:
+    """image.load(), raising OSError if the pixel data ran out before the decoder finished."""
+    if image.format not in _STRICT_FORMATS:
+        image.load()
+        return
+    # Pixel data is read between load_prepare() and load_end(); what load_end()
+    # reads afterwards (e.g. PNG chunks after the image data) is no pixel data.
+    load_end = image.load_end
+
+    def stop_watching() -> None:
+        stream.watching = False
+        load_end()
+
+    image.load_end = stop_watching
+    stream.watching = True
+    try:
+        image.load()
+    finally:
+        stream.watching = False
+        del image.load_end
+    if stream.ran_dry:
+        raise OSError(f"image file is truncated: its {len(stream.getbuffer())} bytes end before the image data")
 
 
 def decode(data: bytes, channels: int = 3) -> np.ndarray:

@@ -19,7 +19,6 @@ independent of ``num_workers``.
 from __future__ import annotations
 
 import contextlib
-import io
 import math
 import os
 import random
@@ -275,16 +274,13 @@ class BatchReader(torch.utils.data.Dataset):
     def _decode(self, blob: bytes, i: int) -> np.ndarray:
         """Encoded bytes -> HxWxC uint8, resized to ``size`` if given (JPEG draft mode first)."""
         mode = "L" if self.channels == 1 else "RGB"
+        size = None if self.size is None else (self.size[1], self.size[0])  # PIL's (width, height)
         try:
-            image = Image.open(io.BytesIO(blob))
-            if self.size is not None and image.format == "JPEG":
-                image.draft(mode, (self.size[1], self.size[0]))  # DCT scaling: decode at 1/2, 1/4, 1/8
-            image.load()
-            if self.size is not None and image.size != (self.size[1], self.size[0]):
-                image = image.convert(mode).resize((self.size[1], self.size[0]), Image.BILINEAR)
-        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
-            problem = "not a recognisable image" if isinstance(exc, Image.UnidentifiedImageError) else str(exc)
-            raise self.reader._corrupt(f"cannot decode image: {problem}", i) from None
+            image = codecs.open_image(blob, draft=None if size is None else (mode, size))  # DCT scaling first
+        except codecs.DecodeError as exc:
+            raise self.reader._corrupt(str(exc), i) from None
+        if size is not None and image.size != size:
+            image = image.convert(mode).resize(size, Image.BILINEAR)
         return codecs.pil_to_array(image, self.channels)
 
     def _put(self, buffer: torch.Tensor, j: int, pixels: np.ndarray, i: int) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import io
 import math
 import re
 from typing import Optional, Tuple
@@ -95,14 +94,9 @@ def resize(image: Image.Image, size: Tuple[int, int], resize_mode: str) -> Image
 
 def _open_for_size(data: bytes, size: Optional[Tuple[int, int]], resize_mode: str) -> Image.Image:
     """Decode ``data``; a JPEG is decoded at a reduced scale (draft) when that still covers ``size``."""
-    try:
-        image = Image.open(io.BytesIO(data))
-        if size is not None and image.format == "JPEG":
-            image.draft("RGB", _decode_size(image.size, size, resize_mode))
-        image.load()
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
-        return codecs.open_image(data)  # raises DecodeError with the usual wording
-    return image
+    if size is None:
+        return codecs.open_image(data)
+    return codecs.open_image(data, draft=lambda stored: ("RGB", _decode_size(stored, size, resize_mode)))
 
 
 def _decode_size(source: Tuple[int, int], size: Tuple[int, int], resize_mode: str) -> Tuple[int, int]:
