@@ -34,6 +34,7 @@ class _Entry:
     discard: Callable[[Any], None]
     users: int = 0
     worker_id: Optional[int] = None
+    pid: int = field(default_factory=os.getpid)  # the process that opened it
 
 
 @dataclass
@@ -116,10 +117,14 @@ def _forget(handle: Any) -> None:
 
 
 def open_handles() -> Dict[Key, Tuple[int, Optional[int], int]]:
-    """Diagnostics: this process's open handles as key -> (pid, worker id, users)."""
+    """Diagnostics: this process's open handles as key -> (opening pid, worker id, users).
+
+    The pid is the one recorded when the handle was opened, so a handle that
+    crossed a fork without being discarded shows its parent's pid.
+    """
     with _lock:
         table = _own_table()
-        return {k: (table.pid, e.worker_id, e.users) for k, e in table.entries.items()}
+        return {k: (e.pid, e.worker_id, e.users) for k, e in table.entries.items()}
 
 
 def opens_in_this_process() -> int:
@@ -155,10 +160,12 @@ class ProcessLocalHandle:
     def _handle(self) -> Any:
         pid = os.getpid()
         if self._held_in_pid != pid:
-            # First use in this process (fresh, forked or unpickled reader).
-            handle = acquire(self._handle_key(), self._open_handle, self._close_handle, self._discard_inherited)
-            self._held_in_pid = pid
-            return handle
+            with _lock:  # threads racing to a reader's first read must take one use, not one each
+                if self._held_in_pid != pid:
+                    # First use in this process (fresh, forked or unpickled reader).
+                    handle = acquire(self._handle_key(), self._open_handle, self._close_handle, self._discard_inherited)
+                    self._held_in_pid = pid
+                    return handle
         return _table.entries[self._handle_key()].handle
 
     def _release_handle(self) -> None:

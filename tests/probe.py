@@ -29,6 +29,7 @@ class Probe(torch.utils.data.Dataset):
             "label": label,
             "pid": os.getpid(),
             "handle_pid": None if held is None else held[0],
+            "handle": handle_identity(self.dataset.reader),
             "opens": handles.opens_in_this_process(),
         }
 
@@ -41,3 +42,54 @@ class Probe(torch.utils.data.Dataset):
 
 def as_list(batch):
     return batch
+
+
+# An offset no reader ever seeks to (they all use pread): it marks an open file description.
+PARENT_MARK = 0x5EED_0000
+
+
+def handle_identity(reader: pf.Reader) -> tuple:
+    """What identifies the open resource this process reads ``reader`` through, comparable across fork.
+
+    Equal in a parent and its forked worker means the worker reads through the
+    parent's file.  Below our handle table: HDF5's own serial number of the open
+    file (a child's h5py.File() of a file its parent holds shares it, h5py#934),
+    a descriptor's file offset (per open file description, see mark_parent_handle).
+    Python object ids compare only while the parent's handle object stays alive:
+    the caller keeps a reference (a fork copies it into every worker).
+    """
+    handle = reader._handle()
+    if reader.format_name == "hdf5":
+        return ("hdf5", handle.file.id.fileno)
+    if reader.format_name == "zip":
+        return ("zip", handle, os.lseek(handle, 0, os.SEEK_CUR))
+    if reader.format_name == "memmap":
+        return ("memmap", id(handle), id(handle.map))
+    return (reader.format_name, id(handle))
+
+
+def mark_parent_handle(reader: pf.Reader) -> tuple:
+    """Mark this process's handle where handle_identity can see it (zip: the file offset); its identity."""
+    if reader.format_name == "zip":
+        os.lseek(reader._handle(), PARENT_MARK, os.SEEK_SET)
+    return handle_identity(reader)
+
+
+class Pair(torch.utils.data.Dataset):
+    """Two datasets (say train and val on one archive) read side by side in one process."""
+
+    def __init__(self, first: pf.PackedDataset, second: pf.PackedDataset) -> None:
+        self.first, self.second = first, second
+
+    def __len__(self) -> int:
+        return min(len(self.first), len(self.second))
+
+    def __getitem__(self, i):
+        images = [self.first[i][0], self.second[i][0]]
+        key = (self.first.reader.format_name, os.path.realpath(self.first.path))
+        return {
+            "index": int(i),
+            "crcs": [zlib.crc32(image.numpy().tobytes()) for image in images],
+            "pid": os.getpid(),
+            "users": handles.open_handles()[key][2],
+        }

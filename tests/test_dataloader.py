@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 import packed_formats as pf
 from packed_formats import codecs, handles
 
-from .probe import Probe, as_list
+from .probe import Probe, as_list, mark_parent_handle
 
 START_METHODS = ["fork", "spawn", "forkserver"]
 
@@ -75,6 +75,48 @@ def test_every_sample_once_per_epoch_exact_and_read_by_its_own_handle(archives, 
         assert len(worker_pids) == (2 if persistent else 4)
     dataset.close()
     assert key not in handles.open_handles()
+
+
+def load_touched_before_fork(path):
+    """(parent's handle identity, items read in the main process, items read by 2 forked workers).
+
+    The parent reads first, so its handle is open when the workers fork, and keeps
+    that handle object alive (in every forked copy too) while they read.
+    """
+    dataset = pf.PackedDataset(path)
+    expected = expected_crcs(dataset)
+    dataset[0]
+    parent_handle = dataset.reader._handle()  # noqa: F841 - kept alive on purpose
+    parent = mark_parent_handle(dataset.reader)
+    (in_main,) = run_epochs(dataset, epochs=1, num_workers=0)
+    (in_workers,) = run_epochs(dataset, epochs=1, num_workers=2, multiprocessing_context=context("fork"))
+    for item in in_main + in_workers:
+        assert item["crc"] == expected[item["index"]], f"sample {item['index']} differs"
+    dataset.close()
+    return parent, in_main, in_workers
+
+
+def test_forked_workers_read_through_their_own_handle_not_their_parents(archives, packed_kind):
+    """Touch-before-fork (RELIABILITY H1, L1), checked below our handle table: the
+    file a worker reads through must not be the one its parent opened (HDF5 hands a
+    child's reopen the parent's open file unless the inherited one is closed first)."""
+    parent, in_main, in_workers = load_touched_before_fork(archives[packed_kind])
+    assert {item["handle"] for item in in_main} == {parent}  # the identity is stable within a process
+    assert sorted(item["index"] for item in in_workers) == list(range(len(in_workers)))
+    for item in in_workers:
+        assert item["pid"] != os.getpid()
+        assert item["handle_pid"] == item["pid"], "a worker used a handle entry its parent opened"
+        assert item["handle"] != parent, f"worker {item['pid']} read through the handle its parent opened"
+
+
+def test_the_own_handle_check_catches_a_child_reading_through_its_parents_hdf5_file(archives, monkeypatch):
+    """The check above can fail: without closing the inherited HDF5 file, a forked
+    worker's fresh h5py.File() is its parent's open file (same HDF5 file number)."""
+    from packed_formats.backends.hdf5 import HDF5Reader
+
+    monkeypatch.setattr(HDF5Reader, "_discard_inherited", staticmethod(lambda handle: None))
+    parent, _, in_workers = load_touched_before_fork(archives[("hdf5", "raw")])
+    assert {item["handle"] for item in in_workers} == {parent}
 
 
 def test_creating_a_dataset_leaves_nothing_open(archives, kind):
