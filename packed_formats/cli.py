@@ -1,22 +1,37 @@
 """The ``packed-formats`` command: one sub-command per module in ``commands/``.
 
 Each command module defines ``HELP`` (one line), ``EXAMPLES`` (text),
-``add_arguments(parser)`` and ``run(args) -> int``.  User mistakes
-(PackedFormatError, bad option values) print one line without a traceback
-and exit 2.
+``add_arguments(parser)`` and ``run(args) -> int``.  Every user-facing
+failure (PackedFormatError, bad option values, an OSError such as a
+permission denied or a full disk, a missing optional package) prints one line
+``packed-formats COMMAND: error: ...`` without a traceback and exits 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
-from typing import List, Optional
+from typing import List, NoReturn, Optional
 
 from . import __version__
 from .errors import PackedFormatError
 
 COMMANDS = ("convert", "info", "verify", "bench", "doctor", "stage")
+# module -> (pip package, extra of packed_formats that installs it)
+OPTIONAL_PACKAGES = {
+    "matplotlib": ("matplotlib", "plot"),
+    "nbclient": ("nbclient", "notebooks"),
+    "PIL": ("pillow", None),
+}
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line, without the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {one_line(message)}; see {self.prog} --help\n")
 
 
 def _load(name: str):
@@ -24,7 +39,7 @@ def _load(name: str):
 
 
 def build_parser(available: Optional[List[str]] = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="packed-formats",
         description="Pack image datasets into archives and load them into PyTorch fast and safely.",
     )
@@ -57,15 +72,52 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     try:
         return int(args._run(args) or 0)
-    except PackedFormatError as exc:
-        print(f"packed-formats {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError) as exc:
-        print(f"packed-formats {args.command}: error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print(f"packed-formats {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        message = user_error(exc)
+        if message is None:
+            raise  # a bug: the traceback is what a report needs
+        print(f"packed-formats {args.command}: error: {message}", file=sys.stderr)
+        return 2
+
+
+def user_error(exc: BaseException) -> Optional[str]:
+    """The one-line message for a failure the user can act on, or None for a bug."""
+    if isinstance(exc, PackedFormatError):
+        return one_line(str(exc))
+    if isinstance(exc, OSError):
+        return one_line(describe_os_error(exc))
+    if isinstance(exc, ImportError) and not (exc.name or "").startswith(__package__):
+        return one_line(describe_import_error(exc))
+    if isinstance(exc, ValueError):
+        return one_line(str(exc))
+    return None
+
+
+def describe_os_error(exc: OSError) -> str:
+    """``FILE: reason`` (``FILE -> OTHER: reason`` for renames), or the bare reason if no file is known."""
+    reason = exc.strerror or str(exc)
+    names = [os.fsdecode(n) if isinstance(n, (str, bytes, os.PathLike)) else str(n)
+             for n in (exc.filename, exc.filename2) if n is not None]
+    return f"{' -> '.join(names)}: {reason}" if names else reason
+
+
+def describe_import_error(exc: ImportError) -> str:
+    """Which package to install (or upgrade) for a failed import."""
+    module = (exc.name or "").split(".")[0]
+    if not module:
+        return str(exc)
+    package, extra = OPTIONAL_PACKAGES.get(module, (module, None))
+    also = f", or the {extra!r} extra: pip install 'packed_formats[{extra}]'" if extra else ""
+    if isinstance(exc, ModuleNotFoundError):
+        return f"this needs {package}, which is not installed: pip install {package}{also}"
+    return f"{exc}: upgrade it with pip install -U {package}"
+
+
+def one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -106,7 +107,7 @@ def test_convert_command_writes_a_complete_archive(tmp_path, image_folder, kind)
 
 
 def test_tools_convert_script_writes_the_same_archive_as_the_command(tmp_path, image_folder):
-    env = dict(os.environ, SOURCE_DATE_EPOCH="1700000000")
+    env = {k: v for k, v in os.environ.items() if k != "SOURCE_DATE_EPOCH"}
     options = ["--format", "zip", "--mode", "raw", "--size", "16", "--quiet"]
     by_script = subprocess.run(
         [sys.executable, "tools/convert.py", image_folder, tmp_path / "a.zip", *options],
@@ -302,7 +303,79 @@ def test_user_mistakes_give_a_one_line_error_and_exit_2(capsys, mistakes, case):
     err = capsys.readouterr().err
     assert code == 2
     assert "Traceback" not in err
-    assert err.strip().splitlines()[-1].startswith(f"packed-formats {mistakes[case][0]}: error: ")
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"packed-formats {mistakes[case][0]}: error: ")
+
+
+def test_a_bad_option_value_is_one_line_naming_the_option(capsys, image_folder, tmp_path):
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["convert", image_folder, str(tmp_path / "o.zip"), "--format", "tar"])
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "packed-formats convert: error: argument --format: invalid choice: 'tar' "
+        "(choose from 'zip', 'hdf5', 'lmdb', 'memmap'); see packed-formats convert --help"
+    ]
+
+
+def test_an_unknown_command_is_one_line(capsys):
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["pack"])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and len(err.splitlines()) == 1
+    assert err.startswith("packed-formats: error: argument COMMAND: invalid choice: 'pack'")
+
+
+def test_an_os_error_is_one_line_with_the_file_and_the_reason(capsys, monkeypatch):
+    def denied(path):
+        raise PermissionError(errno.EACCES, "Permission denied", "/data/train.zip")
+
+    monkeypatch.setattr("packed_formats.commands.info.describe", denied)
+    assert cli.main(["info", "/data/train.zip"]) == 2
+    assert capsys.readouterr().err.splitlines() == ["packed-formats info: error: /data/train.zip: Permission denied"]
+
+
+@pytest.mark.skipif(not os.path.isdir("/sys"), reason="needs Linux's read-only /sys")
+def test_an_unwritable_destination_is_one_line_naming_it(capsys, image_folder):
+    assert cli.main(["convert", image_folder, "/sys/x.zip", "--workers", "1", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert err.startswith("packed-formats convert: error: /sys/x.zip: cannot write the archive: ")
+
+
+def test_a_missing_optional_package_says_what_to_install(capsys, monkeypatch):
+    def needs_matplotlib(path):
+        raise ModuleNotFoundError("No module named 'matplotlib'", name="matplotlib")
+
+    monkeypatch.setattr("packed_formats.commands.info.describe", needs_matplotlib)
+    assert cli.main(["info", "x.zip"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1
+    assert "pip install matplotlib" in err and "packed_formats[plot]" in err
+
+
+@pytest.fixture
+def no_benchmark(monkeypatch):
+    """Fail the test if bench gets as far as benchmarking."""
+    def run_benchmark(*args, **kwargs):
+        raise AssertionError("the benchmark ran")
+
+    monkeypatch.setattr("packed_formats.bench.run_benchmark", run_benchmark)
+
+
+def test_bench_plot_without_matplotlib_fails_before_benchmarking(capsys, monkeypatch, archives, tmp_path, no_benchmark):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails
+    assert cli.main(["bench", archives[("zip", "raw")], "--plot", str(tmp_path / "r.png")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1
+    assert err.startswith("packed-formats bench: error: ") and "pip install matplotlib" in err
+
+
+def test_bench_out_in_a_missing_directory_fails_before_benchmarking(capsys, archives, tmp_path, no_benchmark):
+    out = tmp_path / "no-such-dir" / "r.json"
+    assert cli.main(["bench", archives[("zip", "raw")], "--out", str(out)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"packed-formats bench: error: {out}: cannot write it: No such file or directory (choose another path)"
+    ]
 
 
 def test_command_line_errors_print_no_traceback(tmp_path):

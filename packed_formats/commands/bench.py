@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import argparse
-from typing import List
+import contextlib
+import importlib.util
+import os
+import tempfile
+from typing import Iterator, List
 
 from ..bench.loaders import LOADERS, PIPELINES
+from ..errors import PackedFormatError
 
 HELP = "measure images/s of archives and ImageFolders at several worker counts, against limits and baselines"
 EXAMPLES = """\
@@ -79,6 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..bench import BenchConfig, format_table, plot, run_benchmark, write_json
 
+    _check_outputs(args)  # before the benchmark: a bad --out must not cost a whole run
     config = BenchConfig(
         workers=args.workers, batch_size=args.batch_size, epochs=args.epochs, warmup=args.warmup,
         max_batches=args.max_batches, pipelines=args.pipeline, size=args.size, start_method=args.start_method,
@@ -89,9 +95,29 @@ def run(args: argparse.Namespace) -> int:
     results = run_benchmark(args.paths, config)
     print(format_table(results))
     if args.out:
-        write_json(results, args.out)
+        with _writing(args.out):
+            write_json(results, args.out)
         print(f"\nwrote {args.out}")
     if args.plot:
-        plot(results, args.plot)
+        with _writing(args.plot):
+            plot(results, args.plot)
         print(f"wrote {args.plot}")
     return 1 if any(r.get("error") for r in results["runs"]) else 0
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """--plot needs matplotlib; --out and --plot need a directory we can write to."""
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise ModuleNotFoundError("--plot needs matplotlib", name="matplotlib")
+    for path in filter(None, (args.out, args.plot)):
+        with _writing(path), tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(path))):
+            pass
+
+
+@contextlib.contextmanager
+def _writing(path: str) -> Iterator[None]:
+    """Turn an OSError while writing ``path`` (permission denied, disk full...) into an error naming it."""
+    try:
+        yield
+    except OSError as exc:
+        raise PackedFormatError(path, f"cannot write it: {exc.strerror or exc}", hint="choose another path") from None
