@@ -20,6 +20,7 @@ from .errors import (
     PackedFormatError,
     SampleIndexError,
     UnknownFormatError,
+    UnsupportedVersionError,
 )
 from .manifest import ArchiveManifest
 from .stage import stage
@@ -43,6 +44,7 @@ __all__ = [
     "Reader",
     "SampleIndexError",
     "UnknownFormatError",
+    "UnsupportedVersionError",
     "Writer",
     "convert",
     "detect_format",

@@ -62,6 +62,10 @@ class UnknownFormatError(PackedFormatError):
     """The path exists but is not an archive this library can read."""
 
 
+class UnsupportedVersionError(UnknownFormatError):
+    """The archive was written in a format version this packed_formats does not know (a newer one)."""
+
+
 class FormatMismatchError(UnknownFormatError):
     """The archive is of another format than the one asked for."""
 

@@ -6,10 +6,13 @@ import dataclasses
 import json
 import os
 import time
-from typing import Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+from .errors import IncompleteArchiveError, UnsupportedVersionError
 
 MODES = ("raw", "encoded")
 CHECKSUM = "crc32"
+FORMAT_VERSION = 1  # the newest archive layout this library reads and writes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,7 +21,8 @@ class ArchiveManifest:
 
     ``shape`` (H, W, C) is set for raw archives; ``encoding`` ("jpeg", "png" or
     "mixed") for encoded ones.  ``complete`` is written last: an archive whose
-    manifest is missing or says ``complete: false`` was never sealed.
+    manifest is missing or says ``complete: false`` was never sealed, and
+    from_json refuses it, as it refuses a ``format_version`` it does not know.
     """
 
     format: str
@@ -29,7 +33,7 @@ class ArchiveManifest:
     dtype: str = "uint8"
     encoding: Optional[str] = None
     checksum: Optional[str] = CHECKSUM
-    format_version: int = 1
+    format_version: int = FORMAT_VERSION
     created_with: str = ""
     created_at: str = ""
     complete: bool = True
@@ -41,12 +45,27 @@ class ArchiveManifest:
         return json.dumps(data, indent=1, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: "str | bytes") -> "ArchiveManifest":
+    def from_json(cls, text: "str | bytes", path: "os.PathLike[str] | str | None" = None) -> "ArchiveManifest":
+        """Parse a stored manifest; ``path`` (the archive) is named in the errors.
+
+        Raises:
+            UnsupportedVersionError: written by a newer packed_formats (upgrade it).
+            IncompleteArchiveError: the manifest says ``complete: false``.
+            ValueError: not a manifest (bad JSON, unknown fields).
+        """
         data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError(f"the manifest is a JSON {type(data).__name__}, not an object")
+        _check_version(data, path)  # first: a newer version may add fields this one does not know
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - names
         if unknown:
             raise ValueError(f"unknown manifest fields {sorted(unknown)}")
+        if data.get("complete", True) is not True:
+            raise IncompleteArchiveError(
+                path, "the manifest says complete: false: the archive was never sealed",
+                hint="its writer was killed or failed; re-create it",
+            )
         data["classes"] = tuple(data.get("classes", ()))
         if data.get("shape") is not None:
             data["shape"] = tuple(int(x) for x in data["shape"])
@@ -69,7 +88,12 @@ def new_manifest(
     shape: Optional[Tuple[int, int, int]],
     encoding: Optional[str],
 ) -> ArchiveManifest:
-    """A sealed manifest stamped with this library's version and the time."""
+    """A sealed manifest stamped with this library's version.
+
+    No wall-clock time is stored, so converting the same input twice gives
+    byte-identical archives; ``created_at`` is set only from $SOURCE_DATE_EPOCH
+    (the reproducible-builds convention) when a fixed date is wanted.
+    """
     from . import __version__
 
     return ArchiveManifest(
@@ -80,11 +104,26 @@ def new_manifest(
         shape=None if shape is None else tuple(int(x) for x in shape),
         encoding=encoding,
         created_with=f"packed_formats {__version__}",
-        created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(_build_time())),
+        created_at=_source_date(),
     )
 
 
-def _build_time() -> float:
-    """Now, or $SOURCE_DATE_EPOCH when set (reproducible builds: byte-identical archives)."""
-    epoch = os.environ.get("SOURCE_DATE_EPOCH", "")
-    return float(epoch) if epoch.strip().isdigit() else time.time()
+def _check_version(data: Dict[str, Any], path: "os.PathLike[str] | str | None") -> None:
+    version = data.get("format_version", FORMAT_VERSION)
+    if type(version) is not int or not 1 <= version <= FORMAT_VERSION:
+        from . import __version__
+
+        raise UnsupportedVersionError(
+            path,
+            f"archive format version {version!r} is not one this packed_formats {__version__} reads "
+            f"(it reads version {FORMAT_VERSION})",
+            hint="it was written by a newer packed_formats: upgrade packed_formats (pip install -U packed_formats)",
+        )
+
+
+def _source_date() -> str:
+    """$SOURCE_DATE_EPOCH as an ISO 8601 UTC time, or "" (never the wall clock: archives stay reproducible)."""
+    epoch = os.environ.get("SOURCE_DATE_EPOCH", "").strip()
+    if not epoch.isdigit():
+        return ""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(int(epoch)))

@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+import zipfile
 
+import h5py
+import lmdb
 import numpy as np
 import pytest
 
 import packed_formats as pf
 from packed_formats import codecs
+from packed_formats.backends import hdf5, memmap
+from packed_formats.backends import lmdb as lmdb_backend
+from packed_formats.backends import zip as zip_backend
 
 
 def copy_archive(src: str, dst_dir) -> str:
@@ -46,6 +53,35 @@ def flip_byte_inside_sample(path: str, mode: str, i: int) -> None:
             file.seek(where)
             file.write(bytes([content[where] ^ 0xFF]))
             start = content.find(payload, start + 1)
+
+
+def rewrite_manifest(path: str, fmt: str, **changes) -> None:
+    """Change fields of the manifest stored in the archive at ``path``, in place, as its format stores it."""
+    def changed(text) -> str:
+        return json.dumps(dict(json.loads(text), **changes))
+
+    if fmt == "memmap":
+        name = os.path.join(path, memmap.MANIFEST)
+        with open(name) as file:
+            text = changed(file.read())
+        with open(name, "w") as file:
+            file.write(text)
+    elif fmt == "hdf5":
+        with h5py.File(path, "r+") as file:
+            file.attrs[hdf5.MANIFEST_ATTR] = changed(file.attrs[hdf5.MANIFEST_ATTR])
+    elif fmt == "lmdb":
+        env = lmdb.open(path, subdir=False, lock=False)
+        try:
+            with env.begin(write=True) as txn:
+                txn.put(lmdb_backend.MANIFEST_KEY, changed(txn.get(lmdb_backend.MANIFEST_KEY)).encode())
+        finally:
+            env.close()
+    else:  # zip: rebuild with the same members in the same order (the manifest is the last one)
+        with zipfile.ZipFile(path) as old:
+            members = [(info, old.read(info)) for info in old.infolist()]
+        with zipfile.ZipFile(path, "w") as new:
+            for info, data in members:
+                new.writestr(info, changed(data) if info.filename == zip_backend.MANIFEST else data)
 
 
 def test_missing_path(tmp_path):
@@ -126,6 +162,38 @@ def test_a_corrupted_sample_is_named_by_index_and_key(archives, packed_kind, tmp
         dataset.__getitems__([4, 5])
     dataset[4]  # the neighbours are fine
     dataset[6]
+
+
+def test_a_manifest_that_says_complete_false_is_an_unsealed_archive(archives, packed_kind, tmp_path):
+    path = copy_archive(archives[packed_kind], tmp_path)
+    rewrite_manifest(path, packed_kind[0], complete=False)
+    with pytest.raises(pf.IncompleteArchiveError, match="never sealed") as error:
+        pf.open_archive(path)
+    assert os.fspath(path) in str(error.value)
+
+
+def test_an_archive_of_a_newer_format_version_asks_to_upgrade(archives, packed_kind, tmp_path):
+    path = copy_archive(archives[packed_kind], tmp_path)
+    rewrite_manifest(path, packed_kind[0], format_version=2, a_field_from_the_future=1)
+    with pytest.raises(pf.UnsupportedVersionError, match="format version 2") as error:
+        pf.open_archive(path)
+    assert "upgrade packed_formats" in str(error.value) and os.fspath(path) in str(error.value)
+    assert isinstance(error.value, pf.PackedFormatError)
+
+
+@pytest.mark.parametrize("change", [{"complete": False}, {"format_version": 2}], ids=["unsealed", "newer"])
+def test_manifest_errors_name_the_archive(change):
+    text = json.dumps(dict(json.loads(pf.ArchiveManifest("zip", "raw", 1, ("a",), (2, 2, 3)).to_json()), **change))
+    with pytest.raises(pf.PackedFormatError) as error:
+        pf.ArchiveManifest.from_json(text, path="data/train.zip")
+    assert error.value.path == "data/train.zip" and str(error.value).startswith("data/train.zip: ")
+
+
+def test_a_rewritten_but_unchanged_manifest_still_opens(archives, packed_kind, tmp_path):
+    path = copy_archive(archives[packed_kind], tmp_path)
+    rewrite_manifest(path, packed_kind[0])
+    with pf.open_archive(path) as reader:
+        assert len(reader) == len(reader.read_many(range(len(reader))))
 
 
 def test_verify_false_skips_checksums(archives, tmp_path):

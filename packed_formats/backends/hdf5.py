@@ -119,7 +119,7 @@ class HDF5Reader(Reader):
         if MANIFEST_ATTR not in file.attrs:
             raise IncompleteArchiveError(self.path, "no manifest: the archive was never sealed")
         try:
-            manifest = ArchiveManifest.from_json(file.attrs[MANIFEST_ATTR])
+            manifest = ArchiveManifest.from_json(file.attrs[MANIFEST_ATTR], path=self.path)
             index = SampleIndex.from_arrays({n: file[n][()] for n in _INDEX_NAMES if n in file})
         except (OSError, KeyError, ValueError) as exc:
             raise CorruptArchiveError(self.path, f"cannot read the archive index: {exc}") from None

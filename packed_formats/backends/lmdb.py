@@ -108,7 +108,7 @@ class LMDBReader(Reader):
                 raw_manifest = txn.get(MANIFEST_KEY)
                 if raw_manifest is None:
                     raise IncompleteArchiveError(self.path, "no manifest record: the archive was never sealed")
-                manifest = ArchiveManifest.from_json(raw_manifest)
+                manifest = ArchiveManifest.from_json(raw_manifest, path=self.path)
                 arrays = {}
                 cursor = txn.cursor()
                 if cursor.set_range(_INDEX_PREFIX):

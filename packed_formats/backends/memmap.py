@@ -149,7 +149,7 @@ class MemmapReader(Reader):
             raise UnknownFormatError(self.path, "not a packed_formats memmap archive (no manifest.json)")
         try:
             with open(manifest_path) as file:
-                manifest = ArchiveManifest.from_json(file.read())
+                manifest = ArchiveManifest.from_json(file.read(), path=self.path)
             arrays = {}
             for name in _INDEX_NAMES:
                 path = os.path.join(self.path, f"{name}.npy")

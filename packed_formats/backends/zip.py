@@ -98,7 +98,7 @@ class ZipReader(Reader):
                     raise UnknownFormatError(
                         self.path, "a ZIP file, but not a packed_formats archive (no manifest.json)"
                     )
-                manifest = ArchiveManifest.from_json(archive.read(MANIFEST))
+                manifest = ArchiveManifest.from_json(archive.read(MANIFEST), path=self.path)
                 arrays = {
                     n[len(INDEX_DIR) : -len(".npy")]: from_npy_bytes(archive.read(n))
                     for n in names
