@@ -2,8 +2,9 @@
 
 Worker processes prepare samples (prepare.Recipe) in chunks; the main process
 appends them to a single Writer in source order, so the same input gives a
-byte-identical archive whatever the number of workers (set SOURCE_DATE_EPOCH
-to pin the manifest's timestamp too).  The archive is written under a
+byte-identical archive whatever the number of workers and whenever it runs
+(no wall-clock time is stored).  Before writing, the destination's file system
+must have room for the estimated output.  The archive is written under a
 temporary name and moved into place only once sealed and spot-checked; an
 error, Ctrl-C, SIGTERM or SIGHUP removes every temporary file and leaves the
 destination as it was.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import os
 import re
 import signal
@@ -21,6 +23,7 @@ import threading
 import time
 from typing import Any, Iterator, List, Optional, Tuple
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from . import codecs
@@ -32,6 +35,7 @@ from .manifest import MODES
 from .parallel import WorkerDiedError, available_cores, ordered_map
 from .prepare import RESIZE_MODES, Recipe, parse_size
 from .sources import Source, open_source
+from .space import check_free_space, human_bytes
 from .verify import disk_usage
 
 ON_ERROR = ("raise", "skip")
@@ -40,6 +44,9 @@ FORMAT_BY_EXTENSION = {
     ".memmap": "memmap", ".mmap": "memmap",
 }
 _TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.pf-tmp-(?P<pid>\d+)-[0-9a-f]{8}(-old)?$")
+_SIZED_FILES = 1000  # source files whose sizes are read to estimate a large folder's bytes
+_REENCODED_RATIO = 20  # a re-encoded image is assumed to take at least 1/20 of its pixels' bytes
+_AS_STORED = (".jpg", ".jpeg", ".png")  # encoded mode keeps these files' own bytes
 
 
 class ConversionInterrupted(KeyboardInterrupt):
@@ -77,7 +84,7 @@ class ConvertSummary:
         return (
             f"wrote {self.destination} ({self.format}, {self.layout}{shards}): {self.samples} samples, "
             f"{self.classes} classes, {self.skipped} non-image files skipped, {len(self.failed)} bad images skipped, "
-            f"{_human_bytes(self.bytes)}, {self.seconds:.1f} s ({self.samples_per_second:.0f} samples/s)"
+            f"{human_bytes(self.bytes)}, {self.seconds:.1f} s ({self.samples_per_second:.0f} samples/s)"
         )
 
 
@@ -114,8 +121,10 @@ def convert(
         quiet: no progress bar.
 
     Raises:
-        PackedFormatError (bad source, existing destination, bad image),
-        ValueError (bad option), ConversionInterrupted / KeyboardInterrupt.
+        PackedFormatError (bad source, destination inside the source or
+        existing, not enough free space, a write failure naming the
+        destination, bad image), ValueError (bad option),
+        ConversionInterrupted / KeyboardInterrupt.
     """
     started = time.perf_counter()
     src, dst = os.fspath(src), os.fspath(dst)
@@ -129,8 +138,16 @@ def convert(
     source = open_source(src, labels)
     try:
         recipe = _recipe(source, mode, size, resize_mode, encoding, quality)
+        check_free_space(
+            os.path.dirname(os.path.abspath(dst)), estimated_output_bytes(source, recipe), f"write {dst}",
+            hint="free space there or choose another destination",
+        )
         with _signals_interrupt():
             written, failed, parts = _run(source, dst, format, recipe, workers, shard_size, overwrite, on_error, quiet)
+    except PackedFormatError:
+        raise
+    except OSError as exc:
+        raise _write_error(dst, exc) from None
     finally:
         source.close()
     for stale in set(replaced_parts) - set(parts):
@@ -253,15 +270,65 @@ def _check_options(dst, format, mode, resize_mode, quality, encoding, on_error, 
 
 
 def _check_destination(src: str, dst: str, overwrite: bool) -> None:
-    """Refuse to write over the source (or a folder holding it), or over anything without overwrite."""
+    """Refuse to write over the source (or a folder holding it), inside it, or over anything without overwrite."""
     real_src, real_dst = os.path.realpath(src), os.path.realpath(dst)
     if real_src == real_dst or real_src.startswith(real_dst.rstrip(os.sep) + os.sep):
         raise PackedFormatError(dst, "the destination is the source (or contains it)", hint="choose another path")
+    if real_dst.startswith(real_src.rstrip(os.sep) + os.sep):
+        raise PackedFormatError(
+            dst, f"the destination is inside the source {src}: it would be read as part of it",
+            hint="write it outside the source folder",
+        )
     if os.path.lexists(dst) and not overwrite:
         raise ArchiveExistsError(dst, "already exists", hint="pass --overwrite to replace it")
     parent = os.path.dirname(os.path.abspath(dst))
     if not os.path.isdir(parent):
         raise PackedFormatError(dst, f"the destination directory {parent} does not exist")
+
+
+def estimated_output_bytes(source: Source, recipe: Recipe) -> int:
+    """A low estimate of the bytes the converted samples take (headers and index not counted).
+
+    raw: exactly count x H x W x 3.  encoded as stored: the source's bytes
+    (from the sizes of up to _SIZED_FILES evenly spread files of a large
+    folder).  Re-encoded: 1/_REENCODED_RATIO of the pixels' bytes.
+    """
+    if recipe.mode == "raw":
+        h, w = recipe.size
+        return len(source) * h * w * 3
+    if recipe.size is None and source.raw_shape is None:
+        return _source_bytes(source)
+    h, w = recipe.size or source.raw_shape[:2]
+    return len(source) * h * w * 3 // _REENCODED_RATIO
+
+
+def _source_bytes(source: Source) -> int:
+    if source.reader is not None:
+        return disk_usage(source.path)
+    n = len(source)
+    picks = range(n) if n <= _SIZED_FILES else np.linspace(0, n - 1, _SIZED_FILES).astype(np.int64).tolist()
+    total = 0
+    for i in picks:
+        try:
+            size = os.path.getsize(source.location(i))
+        except OSError:
+            continue  # reported by the conversion itself
+        total += size if source.key(i).lower().endswith(_AS_STORED) else size // _REENCODED_RATIO
+    return total * n // len(picks)
+
+
+def _write_error(dst: str, exc: OSError) -> PackedFormatError:
+    """An OSError met while converting (permission denied, disk full...) as an error naming ``dst``."""
+    name = None if exc.filename is None else os.fsdecode(exc.filename)
+    where = f" ({name})" if name and name != dst and not _TEMP_NAME.match(os.path.basename(name)) else ""
+    hints = {
+        errno.ENOSPC: f"free space in {os.path.dirname(os.path.abspath(dst))} or choose another destination",
+        errno.EDQUOT: "your disk quota is used up: free space or choose another destination",
+        errno.EACCES: "choose a destination directory you can write to",
+        errno.EPERM: "choose a destination directory you can write to",
+        errno.EROFS: "the file system is read-only: choose another destination",
+    }
+    return PackedFormatError(dst, f"cannot write the archive: {exc.strerror or exc}{where}", hint=hints.get(exc.errno))
 
 
 def clean_stale_temp_files(dst: "str | os.PathLike[str]") -> List[str]:
@@ -315,12 +382,7 @@ def _signals_interrupt() -> Iterator[None]:
             signal.signal(s, handler)
 
 
-def _human_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
-
-__all__ = ["ConversionInterrupted", "ConvertSummary", "clean_stale_temp_files", "convert", "part_name"]
+__all__ = [
+    "ConversionInterrupted", "ConvertSummary", "clean_stale_temp_files", "convert",
+    "estimated_output_bytes", "part_name",
+]

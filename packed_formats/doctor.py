@@ -16,6 +16,7 @@ import warnings
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from .errors import ArchiveNotFoundError, PackedFormatError
+from .space import human_bytes as _size
 
 MOUNTS = "/proc/mounts"
 SHM = "/dev/shm"
@@ -365,16 +366,6 @@ def _describe_archive(archive: Dict[str, Any]) -> str:
     layout = "x".join(map(str, archive["shape"])) if archive["mode"] == "raw" else archive["encoding"]
     return (f"{archive['format']}, {archive['mode']} {layout}, {archive['count']} samples, "
             f"{archive['classes']} classes, {_size(archive['bytes'])}")
-
-
-def _size(nbytes: Optional[int]) -> str:
-    if nbytes is None:
-        return "unknown"
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if nbytes < 1000 or unit == "TB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1000
-    return ""  # unreachable
 
 
 # ---- advice ------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from .backends import PACKED_FORMATS, detect_format, open_archive
 from .backends.base import Reader, publish, remove_path
 from .backends.sharded import read_shard_index
 from .errors import ArchiveExistsError, PackedFormatError, UnknownFormatError
+from .space import check_free_space
 from .verify import verify_archive
 
 log = logging.getLogger("packed_formats")
@@ -179,13 +180,8 @@ def detect_format_or_none(path: str) -> Optional[str]:
 
 # ---- copying ----------------------------------------------------------------------------
 def _check_room(directory: str, source: str, nbytes: int) -> None:
-    free = shutil.disk_usage(directory).free
-    if free < nbytes:
-        raise PackedFormatError(
-            directory,
-            f"not enough space to stage {source}: needs {nbytes / 1e9:.2f} GB, {free / 1e9:.2f} GB free",
-            hint="free space there or stage to another node-local directory",
-        )
+    hint = "free space there or stage to another node-local directory"
+    check_free_space(directory, nbytes, f"stage {source}", hint=hint)
 
 
 def _copy_verified(source: str, target: str, expected: str, check_samples: bool) -> None:

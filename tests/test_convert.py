@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import errno
 import multiprocessing
 import os
 import pickle
@@ -16,9 +18,11 @@ from PIL import Image
 
 import packed_formats as pf
 from packed_formats import codecs
-from packed_formats.convert import clean_stale_temp_files, convert
+from packed_formats.backends.zip import ZipWriter
+from packed_formats.convert import clean_stale_temp_files, convert, estimated_output_bytes
 from packed_formats.parallel import ordered_map
-from packed_formats.prepare import parse_size
+from packed_formats.prepare import Recipe, parse_size
+from packed_formats.sources import open_source
 from packed_formats.verify import verify_archive
 
 from .conftest import CLASSES, PER_CLASS
@@ -32,6 +36,30 @@ def archive_files(path):
     if os.path.isdir(path):
         return sorted(os.path.join(path, name) for name in os.listdir(path))
     return [path]
+
+
+def archive_contents(path):
+    """{relative name: bytes} of every file of an archive ("" for a one-file archive)."""
+    if not os.path.isdir(path):
+        return {"": open(path, "rb").read()}
+    return {
+        os.path.relpath(os.path.join(root, name), path): open(os.path.join(root, name), "rb").read()
+        for root, _, names in os.walk(path)
+        for name in names
+    }
+
+
+def tree(root):
+    """Every path under ``root``, relative and sorted."""
+    return sorted(os.path.relpath(os.path.join(d, n), root) for d, dirs, files in os.walk(root) for n in dirs + files)
+
+
+Usage = collections.namedtuple("Usage", "total used free")
+
+
+def pretend_free(monkeypatch, free, total=10**12):
+    """Make every file system look as if it had ``free`` bytes free."""
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(total, total - free, free))
 
 
 def temp_files(directory):
@@ -107,16 +135,33 @@ def test_shorter_side_center_crop_keeps_the_middle_and_the_aspect(tmp_path):
 
 @pytest.mark.parametrize("fmt", pf.PACKED_FORMATS)
 @pytest.mark.parametrize("mode,size", [("raw", SIZE), ("encoded", None), ("encoded", SIZE)], ids=["r", "e", "e2"])
-def test_same_input_gives_byte_identical_archives_whatever_the_worker_count(
+def test_same_input_gives_byte_identical_archives_whatever_the_worker_count_and_time(
     tmp_path, image_folder, monkeypatch, fmt, mode, size
 ):
-    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+    monkeypatch.delenv("SOURCE_DATE_EPOCH", raising=False)
     outputs = []
-    for workers in (1, 3):
+    for workers in (1, 2):
+        if outputs:
+            time.sleep(1.1)  # a wall-clock time stored anywhere would now differ
         dst = tmp_path / f"w{workers}.{fmt}"
         convert(image_folder, dst, format=fmt, mode=mode, size=size, workers=workers, quiet=True)
-        outputs.append([open(f, "rb").read() for f in archive_files(dst)])
-    assert outputs[0] == outputs[1]
+        outputs.append(archive_contents(dst))
+    assert sorted(outputs[0]) == sorted(outputs[1])
+    for name in outputs[0]:
+        assert outputs[0][name] == outputs[1][name], name
+
+
+def test_the_manifest_records_the_creating_version_but_no_time(tmp_path, image_folder, monkeypatch):
+    monkeypatch.delenv("SOURCE_DATE_EPOCH", raising=False)
+    convert(image_folder, tmp_path / "out.zip", workers=1, quiet=True)
+    manifest = pf.open_archive(tmp_path / "out.zip").manifest
+    assert manifest.created_with == f"packed_formats {pf.__version__}" and manifest.created_at == ""
+
+
+def test_source_date_epoch_sets_the_recorded_creation_time(tmp_path, image_folder, monkeypatch):
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+    convert(image_folder, tmp_path / "out.zip", workers=1, quiet=True)
+    assert pf.open_archive(tmp_path / "out.zip").manifest.created_at == "2023-11-14T22:13:20Z"
 
 
 def test_raw_mode_without_size_is_refused(tmp_path, image_folder):
@@ -259,6 +304,59 @@ def test_destination_that_is_or_contains_the_source_is_refused(tmp_path, image_f
     with pytest.raises(pf.PackedFormatError, match="is the source"):
         convert(image_folder, os.path.join(image_folder, dst), format="memmap", overwrite=True, quiet=True)
     assert sorted(os.listdir(image_folder)) == before
+
+
+@pytest.mark.parametrize("fmt", ["memmap", "zip"])
+def test_destination_inside_the_source_is_refused_and_nothing_is_created(tmp_path, image_folder, fmt):
+    source = tmp_path / "images"
+    shutil.copytree(image_folder, source)
+    before = tree(source)
+    with pytest.raises(pf.PackedFormatError, match="inside the source"):
+        convert(source, source / f"out.{fmt}", format=fmt, workers=1, quiet=True)
+    assert tree(source) == before
+
+
+# ---- disk space -----------------------------------------------------------------------
+
+
+def test_conversion_without_room_for_the_output_is_refused_before_writing(tmp_path, image_folder, monkeypatch):
+    needed = N * SIZE[0] * SIZE[1] * 3
+    pretend_free(monkeypatch, needed - 1)
+    with pytest.raises(pf.PackedFormatError) as error:
+        convert(image_folder, tmp_path / "out.zip", mode="raw", size=SIZE, workers=1, quiet=True)
+    message = str(error.value)
+    assert message.startswith(f"{tmp_path}: not enough space to write {tmp_path / 'out.zip'}")
+    assert f"({needed} bytes)" in message and f"({needed - 1} bytes) free" in message
+    assert os.listdir(tmp_path) == []
+
+
+def test_conversion_with_room_for_the_output_goes_ahead(tmp_path, image_folder, monkeypatch):
+    pretend_free(monkeypatch, N * SIZE[0] * SIZE[1] * 3)
+    convert(image_folder, tmp_path / "out.zip", mode="raw", size=SIZE, workers=1, quiet=True)
+    assert len(pf.open_archive(tmp_path / "out.zip")) == N
+
+
+def test_a_file_system_that_reports_no_size_is_not_refused(tmp_path, image_folder, monkeypatch):
+    pretend_free(monkeypatch, 0, total=0)  # like sysfs or some FUSE mounts: statvfs says nothing
+    convert(image_folder, tmp_path / "out.zip", workers=1, quiet=True)
+    assert len(pf.open_archive(tmp_path / "out.zip")) == N
+
+
+def test_encoded_output_is_estimated_as_the_source_files_bytes(image_folder):
+    files = [os.path.join(d, n) for d, _, names in os.walk(image_folder) for n in names]
+    source = open_source(image_folder)
+    assert estimated_output_bytes(source, Recipe(mode="encoded")) == sum(map(os.path.getsize, files))
+
+
+def test_a_full_disk_during_conversion_names_the_destination_and_leaves_nothing(tmp_path, image_folder, monkeypatch):
+    def full(self, blob, i):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ZipWriter, "_append", full)
+    with pytest.raises(pf.PackedFormatError, match="cannot write the archive: No space left on device") as error:
+        convert(image_folder, tmp_path / "out.zip", workers=1, quiet=True)
+    assert error.value.path == str(tmp_path / "out.zip") and str(tmp_path) in error.value.hint
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize("fmt", pf.PACKED_FORMATS)

@@ -9,6 +9,7 @@ from typing import Any, Dict, List
 import numpy as np
 
 from ..backends import open_archive
+from ..space import human_bytes
 from ..verify import disk_usage
 
 HELP = "show an archive's format, mode, sample count, classes with counts, shape or encoding, size and origin"
@@ -72,7 +73,7 @@ def _lines(f: Dict[str, Any], all_classes: bool) -> List[str]:
         f"samples     {f['samples']}",
         layout,
         f"checksums   {f['checksum'] or 'none'}",
-        f"size        {_human(f['bytes'])} on disk",
+        f"size        {human_bytes(f['bytes'])} on disk",
         f"created     {f['created_with'] or 'unknown'}" + (f" at {f['created_at']}" if f["created_at"] else ""),
         f"classes     {len(f['classes'])}",
     ]
@@ -83,11 +84,3 @@ def _lines(f: Dict[str, Any], all_classes: bool) -> List[str]:
     if len(shown) < len(items):
         lines.append(f"  ... {len(items) - len(shown)} more (--all-classes lists them)")
     return lines
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
