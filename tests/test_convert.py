@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 
 import packed_formats as pf
-from packed_formats import codecs
+from packed_formats import codecs, parallel
 from packed_formats.backends.zip import ZipWriter
 from packed_formats.convert import clean_stale_temp_files, convert, estimated_output_bytes
 from packed_formats.parallel import ordered_map
@@ -418,6 +418,52 @@ def test_ordered_map_returns_results_in_order_with_a_bounded_number_in_flight():
         rest = list(results)
     assert [first] + rest == list(range(1000))
     assert started <= (2 * 2 + 1 + 1) * 4
+
+
+def _pixels_of(seed, i):
+    """A result shaped like a raw conversion's: (True, decoded pixels), with one small array too."""
+    pixels = np.random.default_rng(seed + i).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    return True, pixels, pixels[:2, :2].copy(), f"key-{i}"
+
+
+def _spill_dirs():
+    root = parallel.SPILL_ROOT
+    return sorted(n for n in os.listdir(root) if n.startswith(parallel.SPILL_PREFIX)) if os.path.isdir(root) else []
+
+
+@pytest.mark.parametrize("spill", [True, False], ids=["through-shared-memory", "through-the-pipe"])
+def test_ordered_map_returns_large_arrays_intact_and_writable_and_leaves_no_spill_files(spill, monkeypatch):
+    if not spill:
+        monkeypatch.setattr(parallel, "SPILL_ROOT", "/nonexistent")
+    spilled, restore = [], parallel._restore
+    monkeypatch.setattr(parallel, "_restore", lambda path, results: spilled.append(path) or restore(path, results))
+    before = _spill_dirs()
+    with ordered_map(_pixels_of, 7, 40, workers=2, chunk_size=3) as results:
+        got = list(results)
+    for i, (ok, pixels, corner, key) in enumerate(got):
+        _, expected, expected_corner, expected_key = _pixels_of(7, i)
+        assert ok and key == expected_key and np.array_equal(corner, expected_corner)
+        assert np.array_equal(pixels, expected)
+        pixels[0, 0, 0] ^= 1  # the consumer may write into what it got
+    assert _spill_dirs() == before
+    assert len(spilled) == 14 and all(spilled) == (spill and os.path.isdir(parallel.SPILL_ROOT))
+
+
+@pytest.mark.skipif(not os.path.isdir(parallel.SPILL_ROOT), reason="no /dev/shm here")
+def test_ordered_map_removes_spill_directories_of_dead_conversions():
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = os.path.join(parallel.SPILL_ROOT, f"{parallel.SPILL_PREFIX}{int(dead.stdout)}-x")
+    os.makedirs(orphan)
+    open(os.path.join(orphan, "chunk-0"), "wb").close()
+    with ordered_map(_pixels_of, 1, 4, workers=2) as results:
+        list(results)
+    assert not os.path.exists(orphan)
+
+
+def test_a_failed_spill_sends_the_results_through_the_pipe(tmp_path):
+    results = [(True, np.zeros((128, 128, 3), np.uint8))]
+    path, out = parallel._spill(results, os.fspath(tmp_path / "missing-dir" / "chunk-0"))
+    assert path is None and out is results
 
 
 def flip_zip_sample_byte(path, i):
