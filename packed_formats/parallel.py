@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import mmap
 import multiprocessing
 import os
 import shutil
@@ -107,12 +108,16 @@ def _spill(results: List[Any], path: str) -> Tuple[Optional[str], List[Any]]:
 
 
 def _restore(path: Optional[str], results: List[Any]) -> List[Any]:
-    """The results of one chunk with their spilled arrays read back (writable, owned by one buffer)."""
+    """The results of one chunk with their spilled arrays mapped back, without a copy.
+
+    The mapping is private (writes stay in this process) and outlives the
+    unlinked file until the last array on it is gone.
+    """
     if path is None:
         return results
     with open(path, "rb") as file:
-        data = bytearray(os.fstat(file.fileno()).st_size)
-        file.readinto(data)
+        size = os.fstat(file.fileno()).st_size
+        data = mmap.mmap(file.fileno(), size, access=mmap.ACCESS_COPY) if size else bytearray()
     os.unlink(path)
     out = []
     for result in results:
