@@ -5,9 +5,12 @@ the same moment.  One of them takes an exclusive ``flock`` on a lock file in the
 destination directory and copies the archive under a temporary name, checks every
 sample of the copy against the stored CRC32s, and moves it into place with
 ``os.replace``; the others wait on the lock, then find an identical copy and reuse
-it.  A sharded archive is staged part by part (each verified), its index last.
-A damaged source raises CorruptSampleError naming the sample and leaves nothing
-behind.
+it.  A copy is reused as it is only while its files keep the sizes and
+modification times recorded when it was verified (a stamp beside it); one
+written to since, or staged by an older release, has every sample checked
+again before it is reused, and is replaced if one fails.  A sharded archive
+is staged part by part (each verified), its index last.  A damaged source
+raises CorruptSampleError naming the sample and leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import errno
 import fcntl
 import glob
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -100,10 +104,11 @@ def _stage_one(source: str, target: str, check_samples: bool) -> Tuple[bool, int
     expected = _source_fingerprint(source)
     nbytes = _disk_usage(source)
     _remove_leftovers(target)
-    if _is_identical_copy(target, expected):
+    if _is_identical_copy(target, expected, check_samples):
         return False, nbytes
     _check_room(os.path.dirname(target), source, nbytes)
     _copy_verified(source, target, expected, check_samples)
+    _write_stamp(target, expected)
     return True, nbytes
 
 
@@ -155,7 +160,7 @@ def _source_fingerprint(source: str) -> str:
         return fingerprint(reader)
 
 
-def _is_identical_copy(target: str, expected: str) -> bool:
+def _is_identical_copy(target: str, expected: str, check_samples: bool = True) -> bool:
     if not os.path.lexists(target):
         return False
     if detect_format_or_none(target) not in STAGEABLE:
@@ -166,9 +171,50 @@ def _is_identical_copy(target: str, expected: str) -> bool:
         )
     try:
         with open_archive(target, verify=True) as reader:
-            return fingerprint(reader) == expected
+            if fingerprint(reader) != expected:
+                return False
+        if _stamp_matches(target, expected):
+            return True
+        if check_samples and not verify_archive(target).ok:
+            log.info("stage: %s was changed since it was staged and fails its checksums: replacing it", target)
+            return False
     except PackedFormatError:
         return False  # a damaged or stale archive of ours: replace it
+    _write_stamp(target, expected)
+    return True
+
+
+def _stamp_path(target: str) -> str:
+    directory, name = os.path.split(target)
+    return os.path.join(directory, f".{name}.pf-staged")
+
+
+def _file_states(target: str) -> List[List]:
+    """[relative name, size, mtime in ns] of every file of the archive at ``target``."""
+    states = []
+    for name, size in archive_files(target):
+        states.append([name, size, os.stat(os.path.join(target, name) if name else target).st_mtime_ns])
+    return states
+
+
+def _write_stamp(target: str, expected: str) -> None:
+    """Record what the verified copy at ``target`` looks like (written aside, then moved into place)."""
+    stamp = _stamp_path(target)
+    temp = f"{stamp}.{os.getpid()}"
+    with open(temp, "w") as file:
+        json.dump({"fingerprint": expected, "files": _file_states(target)}, file)
+    os.replace(temp, stamp)
+
+
+def _stamp_matches(target: str, expected: str) -> bool:
+    try:
+        with open(_stamp_path(target)) as file:
+            stamp = json.load(file)
+    except (OSError, ValueError):
+        return False
+    if not isinstance(stamp, dict) or stamp.get("fingerprint") != expected:
+        return False
+    return stamp.get("files") == _file_states(target)
 
 
 def detect_format_or_none(path: str) -> Optional[str]:

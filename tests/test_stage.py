@@ -6,6 +6,7 @@ import fcntl
 import multiprocessing
 import os
 import shutil
+import time
 
 import pytest
 
@@ -13,6 +14,7 @@ import packed_formats as pf
 from packed_formats import cli
 from packed_formats.backends.sharded import ShardedWriter
 from packed_formats.stage import stage_archive
+from packed_formats.verify import verify_archive
 
 from .conftest import expected_samples
 
@@ -55,7 +57,8 @@ def corrupt_one_sample(path: str) -> int:
 
 def leftovers(directory) -> list:
     """Entries of a staging directory other than archives and the lock files."""
-    return sorted(n for n in os.listdir(directory) if n.startswith(".") and not n.endswith(".pf-stage.lock"))
+    return sorted(n for n in os.listdir(directory)
+                  if n.startswith(".") and not n.endswith((".pf-stage.lock", ".pf-staged")))
 
 
 def assert_same_archive(copy: str, source: str) -> None:
@@ -127,6 +130,27 @@ def test_stage_reuses_an_identical_copy(archives, packed_kind, tmp_path):
     second = stage_archive(source, tmp_path)
     assert (first.copied, second.copied) == (True, False)
     assert os.stat(second.path).st_ino == identity
+
+
+def test_a_copy_damaged_after_staging_is_checked_and_replaced_not_reused(archives, packed_kind, tmp_path):
+    source = archives[packed_kind]
+    first = stage_archive(source, tmp_path)
+    time.sleep(0.01)  # a later modification time even on coarse clocks
+    corrupt_one_sample(first.path)
+    second = stage_archive(source, tmp_path)
+    assert second.copied
+    assert_same_archive(second.path, source)
+    assert verify_archive(second.path).ok
+    assert not stage_archive(source, tmp_path).copied  # the new copy is stamped and reused
+
+
+def test_a_copy_without_a_stamp_is_checked_once_then_reused(archives, tmp_path):
+    source = archives[("zip", "raw")]
+    first = stage_archive(source, tmp_path)
+    stamp = os.path.join(tmp_path, f".{os.path.basename(first.path)}.pf-staged")
+    os.remove(stamp)  # as staged by a release without stamps
+    assert not stage_archive(source, tmp_path).copied
+    assert os.path.exists(stamp)
 
 
 def test_stage_replaces_a_different_archive_of_the_same_name(archives, tmp_path):
