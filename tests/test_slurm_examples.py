@@ -48,4 +48,5 @@ def test_training_example_stages_and_trains_on_the_cpu(archives, tmp_path, mode)
     losses = [float(x) for x in re.findall(r"epoch \d+: loss ([0-9.]+)", run.stdout)]
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
     name = os.path.basename(archives[("zip", mode)])
-    assert sorted(os.listdir(tmp_path)) == sorted([name, f".{name}.pf-stage.lock"])  # the copy, no temp files
+    # the copy, its lock and its verification stamp; no temp files
+    assert sorted(os.listdir(tmp_path)) == sorted([name, f".{name}.pf-stage.lock", f".{name}.pf-staged"])
