@@ -515,7 +515,8 @@ def _rank_and_world(distributed: Optional[bool]) -> Tuple[int, int]:
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 
-def _device(device: Union[str, torch.device]) -> torch.device:
+def resolve_device(device: Union[str, torch.device]) -> torch.device:
+    """``device`` as a torch.device with its CUDA index; ValueError when CUDA is asked for but absent."""
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device} was asked for, but torch.cuda.is_available() is False")
@@ -579,7 +580,7 @@ def make_loader(
         raise ValueError(f"verify must be one of {VERIFY_POLICIES}, got {verify!r}")
     if num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
-    device = _device(device)
+    device = resolve_device(device)
     reader = _open_reader(source, format)
     size = _check_size(reader, size)
     rank, world = _rank_and_world(distributed)

@@ -95,6 +95,11 @@ def accepts(function: Callable, name: str) -> bool:
     return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
+def batch_transform(transforms, pipeline: str, size: int) -> Optional[Callable]:
+    """``pf.transforms.val/train(size)`` for a pipeline (None for "none")."""
+    return None if pipeline == "none" else getattr(transforms, pipeline)(size)
+
+
 def make_loader_loader(path: str, mode: str, pipeline: str, size: int, batch_size: int, workers: int,
                        shuffle: bool, context: Optional[str], decode_size: Optional[int] = None, seed: int = 0,
                        device: str = "cpu"):
@@ -107,7 +112,7 @@ def make_loader_loader(path: str, mode: str, pipeline: str, size: int, batch_siz
     if found is None:
         raise RuntimeError("packed_formats.make_loader is not available in this build")
     make_loader, transforms = found
-    transform = None if pipeline == "none" else getattr(transforms, pipeline)(size)
+    transform = batch_transform(transforms, pipeline, size)
     options = dict(batch_size=batch_size, shuffle=shuffle, num_workers=workers, device=device,
                    transform=transform, drop_last=False, seed=seed)
     if mode == "encoded" and decode_size:
@@ -133,7 +138,7 @@ class PlainCopyLoader:
         self.host = make_loader_loader(path, mode, "none", size, batch_size, workers, shuffle, context,
                                        decode_size, seed, device="cpu")
         self.device, self.seed, self.generators = torch.device(device), seed, batch_generator
-        self.transform = None if pipeline == "none" else getattr(fast_path()[1], pipeline)(size)
+        self.transform = batch_transform(fast_path()[1], pipeline, size)
 
     def __len__(self) -> int:
         return len(self.host)

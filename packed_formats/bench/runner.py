@@ -68,10 +68,9 @@ class BenchConfig:
         if self.device != "cpu" and not self.on_cuda:
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
         if self.on_cuda:
-            import torch
+            from ..loader import resolve_device
 
-            if not torch.cuda.is_available():
-                raise ValueError(f"device {self.device} was asked for, but torch.cuda.is_available() is False")
+            resolve_device(self.device)  # ValueError when there is no GPU
 
 
 def describe_target(path: str, source_bytes: Optional[int]) -> Dict[str, Any]:
