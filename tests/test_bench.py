@@ -16,7 +16,7 @@ from PIL import Image
 import packed_formats as pf
 from packed_formats.bench import BenchConfig, format_table, run_benchmark
 from packed_formats.bench.environment import archive_files, filesystem_type
-from packed_formats.bench.measure import time_epoch
+from packed_formats.bench.measure import MemorySampler, time_epoch
 from packed_formats.bench.pagecache import evict, resident_bytes, warm
 from packed_formats.bench.references import bare_decode_rate, copy_bound_rate
 from packed_formats.bench.report import rate
@@ -301,3 +301,15 @@ def test_cuda_bench_times_make_loader_against_a_plain_copy_of_the_same_batches(a
     seed = {r["workers"] for r in results["runs"] if r["loader"] == "seed-tutorial"}
     assert seed == {0}  # the tutorial moves batches to the GPU in collate_fn: main process only
     assert "plain .to" in format_table(results)
+
+
+def test_the_memory_sampler_waits_longer_the_more_a_sample_costs():
+    """Sampling smaps of processes that map big archives takes ~20 ms each: at a fixed 50 ms
+    interval the sampler would take a core from the loader it measures."""
+    sampler = MemorySampler(interval=0.05)
+    sampler.last_cost = 0.001
+    assert sampler.pause() == 0.05
+    sampler.last_cost = 0.06
+    assert sampler.pause() * sampler.MAX_SHARE >= 0.06 * (1 - sampler.MAX_SHARE) - 1e-9
+    sampler.sample()
+    assert sampler.last_cost > 0
