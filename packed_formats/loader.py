@@ -157,6 +157,12 @@ class BatchReader(torch.utils.data.Dataset):
         self.channels = 3 if shape is None else shape[2]
         self._verified: Optional[np.ndarray] = None
         self._verified_pid: Optional[int] = None
+        self._buffers: Optional[Tuple[int, memory.ReusedBuffers]] = None  # (pid, this process's read buffers)
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_buffers"] = None  # memory of this process only
+        return state
 
     def __len__(self) -> int:
         return len(self.reader)
@@ -201,7 +207,8 @@ class BatchReader(torch.utils.data.Dataset):
 
         In a worker with nothing to do after the read, a reused shared-memory
         slot (the batch then reaches the main process without a copy); pinned
-        when a GPU waits for it; otherwise ordinary memory on huge pages.
+        when a GPU waits for it; otherwise one of this process's reused
+        buffers (``memory.ReusedBuffers``: never one a batch still in use lives in).
         """
         if self.pool is not None and self.transform is None:
             slot = self.pool.take(shape)
@@ -209,7 +216,9 @@ class BatchReader(torch.utils.data.Dataset):
                 return slot
         if self.pin:
             return torch.empty(shape, dtype=torch.uint8, pin_memory=True)
-        return memory.empty(shape)
+        if self._buffers is None or self._buffers[0] != os.getpid():
+            self._buffers = (os.getpid(), memory.ReusedBuffers())
+        return self._buffers[1].take(shape)
 
     # ---- raw ----
     def _read_raw(self, idx: np.ndarray) -> Tuple[torch.Tensor, list]:

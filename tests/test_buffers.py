@@ -221,3 +221,54 @@ def test_pooling_works_under_the_file_system_sharing_strategy(uniform_archives, 
     path = uniform_archives[("lmdb", "raw")]
     done = subprocess.run([sys.executable, str(script), path], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+# ---- read buffers a process reuses (memory.ReusedBuffers) ----------------------------------------
+
+
+def test_a_read_buffer_is_reused_only_once_nothing_refers_to_it():
+    buffers = memory.ReusedBuffers(keep=2)
+    first = buffers.take((4, 5))
+    address = first.data_ptr()
+    second = buffers.take((4, 5))
+    view = first[1:]
+    del first
+    assert buffers.take((4, 5)).data_ptr() not in (address, second.data_ptr())  # a view still uses it
+    del view
+    array = buffers.take((4, 5)).numpy()  # the tensor dies, a numpy array made from it does not
+    assert array.ctypes.data == address
+    assert buffers.take((2, 5)).data_ptr() != address
+    del array
+    assert buffers.take((2, 5)).data_ptr() == address  # smaller requests fit in a kept buffer
+
+
+def test_in_process_batches_the_caller_keeps_are_never_overwritten(uniform):
+    check_kept_batches_without_pool(uniform, num_workers=0)
+
+
+@pytest.mark.parametrize("start_method", START_METHODS)
+def test_a_transform_returning_a_view_of_the_read_buffer_keeps_its_batches(uniform_archives, start_method):
+    """CenterCrop gives a view of the buffer a worker read into: that buffer must not be read into again
+    before the batch has left the worker (the DataLoader pickles it later, in another thread)."""
+    check_kept_batches_without_pool(uniform_archives[("memmap", "raw")], transform=T.CenterCrop(6), num_workers=2,
+                                    multiprocessing_context=start_method)
+
+
+def check_kept_batches_without_pool(path, transform=None, **options):
+    dataset = pf.PackedDataset(path)
+    as_delivered = transform or (lambda batch: batch)
+    lookup = {digest(as_delivered(dataset[i][0][None])[0]): i for i in range(len(dataset))}
+    loader = pf.make_loader(path, batch_size=3, transform=transform, **options)
+    kept = [images for _ in range(2) for images, _ in loader]
+    assert all(digest(image) in lookup for images in kept for image in images)
+    n = len(loader)
+    per_epoch = [[lookup[digest(image)] for images in kept[k * n : (k + 1) * n] for image in images] for k in range(2)]
+    assert all(sorted(order) == list(range(len(lookup))) for order in per_epoch)
+    if options["num_workers"] == 0:  # dropped batches give their memory back to the next reads
+        addresses = set()
+        del kept
+        for images, _ in loader:
+            addresses.add(images.data_ptr())
+            del images
+        # two buffers take turns (the loader's generator holds on to the batch it yielded last)
+        assert len(addresses) <= 2 < len(loader)
