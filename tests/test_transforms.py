@@ -204,3 +204,70 @@ def test_transforms_on_cuda_match_the_cpu_ones():
     assert float((cpu - cuda.cpu()).abs().max()) <= 1.01 / 255 / min(T.IMAGENET_STD)  # uint8 rounding at most
     val_cpu, val_cuda = T.val(16)(batch), T.val(16)(batch.cuda())
     assert float((val_cpu - val_cuda.cpu()).abs().max()) <= 1.01 / 255 / min(T.IMAGENET_STD)
+
+
+def one_by_one(transforms, batch, generator):
+    for t in transforms:
+        batch = t(batch, generator=generator)
+    return batch
+
+
+def forbid_forward(monkeypatch, *classes):
+    """Make ``forward`` of ``classes`` fail, so a test sees whether Compose still runs them itself."""
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError(f"{type(self).__name__}.forward ran: Compose did not fuse it")
+
+    for cls in classes:
+        monkeypatch.setattr(cls, "forward", refuse)
+
+
+@pytest.mark.parametrize("size", [16, (12, 20), (24, 10)], ids=["square", "wide", "tall"])
+@pytest.mark.parametrize("tail", ["normalize", "to_float"])
+@pytest.mark.parametrize("flip", [True, False], ids=["flip", "no_flip"])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_fused_crop_flip_normalize_equals_the_modules_one_by_one(monkeypatch, layout, flip, tail, size):
+    batch = torch.randint(0, 256, (24, 3, 40, 56), generator=gen(), dtype=torch.uint8)
+    if layout == "channels_last":  # as make_loader hands batches over: a view of an NHWC buffer
+        batch = batch.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    transforms = [T.RandomResizedCrop(size)] + [T.RandomHorizontalFlip()] * flip
+    transforms.append(T.Normalize() if tail == "normalize" else T.ToFloat())
+    expected = one_by_one(transforms, batch, gen(4))
+    forbid_forward(monkeypatch, T.RandomResizedCrop, T.RandomHorizontalFlip, T.Normalize, T.ToFloat)
+    out = T.Compose(transforms)(batch, generator=gen(4))
+    assert torch.equal(out, expected) and out.stride() == expected.stride()
+    assert out.is_contiguous(memory_format=torch.channels_last) == (layout == "channels_last")
+
+
+def test_fused_run_inside_a_longer_compose_uses_each_modules_own_generator(monkeypatch):
+    batch = torch.randint(0, 256, (16, 3, 48, 48), generator=gen(), dtype=torch.uint8)
+    transforms = [
+        T.CenterCrop(40),
+        T.RandomResizedCrop(16, generator=gen(1)),
+        T.RandomHorizontalFlip(generator=gen(2)),
+        T.Normalize(),
+        lambda x: x * 2,
+    ]
+    expected = transforms[-1](one_by_one(transforms[:-1], batch, None))
+    # the same modules again, their generators fresh
+    transforms[1].generator, transforms[2].generator = gen(1), gen(2)
+    forbid_forward(monkeypatch, T.RandomHorizontalFlip)
+    assert torch.equal(T.Compose(transforms)(batch), expected)
+
+
+def test_train_preset_fuses_on_cpu_uint8_batches(monkeypatch):
+    batch = torch.randint(0, 256, (8, 32, 32, 3), generator=gen(), dtype=torch.uint8).permute(0, 3, 1, 2)
+    expected = one_by_one(T.train(16).transforms, batch, gen(6))
+    forbid_forward(monkeypatch, T.RandomResizedCrop, T.RandomHorizontalFlip, T.Normalize)
+    assert torch.equal(T.train(16)(batch, generator=gen(6)), expected)
+
+
+def test_float_batches_take_the_modules_one_by_one():
+    batch = torch.rand(4, 3, 20, 20, generator=gen())
+    train = T.train(8)
+    assert torch.equal(train(batch, generator=gen(3)), one_by_one(train.transforms, batch, gen(3)))
+
+
+def test_fused_compose_reports_a_channel_mismatch_like_normalize():
+    with pytest.raises(ValueError, match="batch has 4 channels"):
+        T.train(8)(torch.zeros(2, 4, 16, 16, dtype=torch.uint8), generator=gen())
