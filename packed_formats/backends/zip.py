@@ -4,6 +4,7 @@ Readable by ``unzip``/``zipinfo``/``zipfile``.  The central directory is parsed
 once (in the process that opens the dataset); the index stores each sample's
 absolute byte position, so a read is one ``os.pread`` on a per-process file
 descriptor: no shared ``ZipFile`` seek state, nothing to corrupt across fork.
+Raw batches are gathered from a per-process map of the file (``mapped.py``).
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ from __future__ import annotations
 import os
 import struct
 import zipfile
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
 
 import numpy as np
 
 from ..errors import CorruptArchiveError, IncompleteArchiveError, UnknownFormatError
 from ..index import SampleIndex, from_npy_bytes, npy_bytes
 from ..manifest import ArchiveManifest
+from . import mapped
 from .base import Reader, Writer
 
 MANIFEST = "manifest.json"
@@ -67,24 +69,41 @@ class ZipWriter(Writer):
             pass
 
 
+class _Descriptor(int):
+    """A per-process file descriptor (an int to every ``os`` call) that can carry the file's
+    mapped sample rows, made on the first batch read."""
+
+    rows: "Optional[mapped.MappedRows | bool]" = None  # False: the samples are not evenly spaced
+
+    def __reduce__(self):
+        return int, (int(self),)  # a number elsewhere, never its map
+
+    def forget_rows(self) -> None:
+        if self.rows:
+            self.rows.close()
+        self.rows = None
+
+
 class ZipReader(Reader):
     format_name = "zip"
 
     def _open(self) -> int:
         try:
-            return os.open(self.path, os.O_RDONLY)
+            return _Descriptor(os.open(self.path, os.O_RDONLY))
         except FileNotFoundError:
             from ..errors import ArchiveNotFoundError
 
             raise ArchiveNotFoundError(self.path, "no such file") from None
 
     @staticmethod
-    def _close_handle(fd: int) -> None:
+    def _close_handle(fd: _Descriptor) -> None:
+        fd.forget_rows()
         os.close(fd)
 
     @staticmethod
-    def _discard_inherited(fd: int) -> None:
-        os.close(fd)  # the child's copy of the parent's descriptor
+    def _discard_inherited(fd: _Descriptor) -> None:
+        fd.forget_rows()  # the child's copies of the parent's mapping
+        os.close(fd)  # and descriptor
 
     def _read_metadata(self, fd: Any) -> Tuple[ArchiveManifest, SampleIndex]:
         try:
@@ -133,8 +152,15 @@ class ZipReader(Reader):
             raise self._corrupt(f"read {len(data)} of {size} bytes: the file is truncated", i)
         return data
 
-    def _read_raw_batch(self, fd: int, idx: np.ndarray, out: np.ndarray) -> None:
+    def _read_raw_batch(self, fd: _Descriptor, idx: np.ndarray, out: np.ndarray) -> None:
+        """One gather from the mapped file (see mapped.py); one ``pread`` per sample into a
+        non-contiguous ``out``, or when the file is shorter than its index says."""
         size = self.manifest.sample_nbytes
+        if fd.rows is None and out.flags.c_contiguous:
+            fd.rows = mapped.MappedRows.of(fd, self.index.positions, size) or False
+        if fd.rows and out.flags.c_contiguous:
+            fd.rows.gather(idx, out)
+            return
         for j, i in enumerate(idx):
             got = os.preadv(fd, [memoryview(out[j]).cast("B")], int(self.index.positions[i]))
             if got != size:

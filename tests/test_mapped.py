@@ -1,0 +1,70 @@
+"""Raw batches gathered from a memory map of the archive file (backends/mapped.py)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import packed_formats as pf
+from packed_formats.backends import mapped
+
+
+def write_rows(path, positions, nbytes, size=None):
+    data = np.zeros(int(max(positions)) + nbytes, dtype=np.uint8)
+    rows = np.random.default_rng(0).integers(0, 256, size=(len(positions), nbytes), dtype=np.uint8)
+    for position, row in zip(positions, rows):
+        data[position : position + nbytes] = row
+    data[:size].tofile(path)
+    return rows
+
+
+@pytest.mark.parametrize("positions", [[7, 107, 207, 307, 407], [3, 90, 250, 260, 400]], ids=["even", "uneven"])
+def test_a_gather_returns_the_rows_at_their_positions_in_the_asked_order(tmp_path, positions):
+    path = tmp_path / "rows.bin"
+    rows = write_rows(path, positions, 10)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        mapping = mapped.MappedRows.of(fd, np.asarray(positions), 10)
+    finally:
+        os.close(fd)  # the map outlives the descriptor
+    assert (mapping.rows is not None) == (positions[0] == 7)  # even spacing: one strided view
+    idx = np.array([4, 0, 0, 2])
+    out = np.full((4, 10), 255, dtype=np.uint8)
+    mapping.gather(idx, out)
+    np.testing.assert_array_equal(out, rows[idx])
+    mapping.close()
+
+
+def test_no_map_when_a_row_lies_past_the_end_of_the_file(tmp_path):
+    path = tmp_path / "short.bin"
+    write_rows(path, [0, 10, 20], 10, size=25)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert mapped.MappedRows.of(fd, np.array([0, 10, 20]), 10) is None
+    finally:
+        os.close(fd)
+
+
+def test_even_step():
+    assert mapped.even_step(np.array([5, 9, 13])) == 4
+    assert mapped.even_step(np.array([5, 9, 14])) is None
+    assert mapped.even_step(np.array([5])) == 0
+
+
+def mapped_rows_of(reader):
+    handle = reader._live_handle()
+    return handle.rows if reader.format_name in ("zip", "hdf5") else handle.tensor()
+
+
+@pytest.mark.parametrize("fmt", ["memmap", "zip", "hdf5"])
+def test_raw_batches_of_our_archives_come_from_the_map_and_equal_single_reads(archives, fmt):
+    reader = pf.open_archive(archives[(fmt, "raw")])
+    idx = np.array([len(reader) - 1, 0, 2, 2])
+    batch = reader.read_many(idx)
+    rows = mapped_rows_of(reader)
+    assert rows is not None and rows is not False  # the fast path is taken, not silently lost
+    for j, i in enumerate(idx):
+        np.testing.assert_array_equal(batch[j], reader.read(int(i)))
+    reader.close()
