@@ -199,7 +199,7 @@ class BatchReader(torch.utils.data.Dataset):
             _seed_globals(seed ^ 0x5EED)
             with memory.outputs_in(None if self.pool is None else self.pool.take):
                 return apply_transform(self.transform, images, generator)  # float results born in a slot
-        with _one_torch_thread():
+        with _one_torch_thread(), memory.outputs_in(self._process_buffers().take):
             return apply_transform(self.transform, images, generator)
 
     def _new_buffer(self, shape: Tuple[int, ...]) -> torch.Tensor:
@@ -216,9 +216,12 @@ class BatchReader(torch.utils.data.Dataset):
                 return slot
         if self.pin:
             return torch.empty(shape, dtype=torch.uint8, pin_memory=True)
+        return self._process_buffers().take(shape)
+
+    def _process_buffers(self) -> memory.ReusedBuffers:
         if self._buffers is None or self._buffers[0] != os.getpid():
             self._buffers = (os.getpid(), memory.ReusedBuffers())
-        return self._buffers[1].take(shape)
+        return self._buffers[1]
 
     # ---- raw ----
     def _read_raw(self, idx: np.ndarray) -> Tuple[torch.Tensor, list]:

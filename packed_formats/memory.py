@@ -91,7 +91,7 @@ def empty(
 class ReusedBuffers:
     """Big CPU buffers that this process hands out again once nothing uses them.
 
-    ``take(shape)`` returns a uint8 tensor over one of ``keep`` buffers that no
+    ``take(shape, dtype)`` returns a tensor over one of ``keep`` buffers that no
     tensor (nor a view of one, nor a numpy array made from one) refers to any
     more, else over a new buffer, kept if there is room.  Each hand-out is a
     fresh numpy view whose weak reference says whether it is still in use: the
@@ -102,25 +102,44 @@ class ReusedBuffers:
     Not shared between processes: make one per process.
     """
 
-    def __init__(self, keep: int = 3) -> None:
+    def __init__(self, keep: int = 4) -> None:
         self.keep = keep
         self._buffers: List[Tuple[np.ndarray, Optional[weakref.ref]]] = []
 
-    def take(self, shape: Sequence[int]) -> torch.Tensor:
-        nbytes = math.prod(shape)
-        for k, (base, user) in enumerate(self._buffers):
-            if (user is None or user() is None) and base.nbytes >= nbytes:
-                return self._hand_out(k, base, shape)
+    def take(
+        self,
+        shape: Sequence[int],
+        dtype: torch.dtype = torch.uint8,
+        memory_format: torch.memory_format = torch.contiguous_format,
+    ) -> torch.Tensor:
+        """A ``shape`` tensor of ``dtype`` (channels-last in memory when asked for a [B,C,H,W] one)."""
+        shape = tuple(int(n) for n in shape)
+        layout = shape
+        if memory_format == torch.channels_last and len(shape) == 4:
+            b, c, h, w = shape
+            layout = (b, h, w, c)
+        nbytes = math.prod(layout) * torch.empty(0, dtype=dtype).element_size()
+        free = [k for k, (base, user) in enumerate(self._buffers)
+                if (user is None or user() is None) and base.nbytes >= nbytes]
+        if free:  # the smallest that fits, so that a small read does not take a big result's buffer
+            k = min(free, key=lambda k: self._buffers[k][0].nbytes)
+            return self._hand_out(k, self._buffers[k][0], nbytes, layout, dtype, shape)
         base = empty((max(nbytes, 1),)).numpy()
         if len(self._buffers) < self.keep:
             self._buffers.append((base, None))
-            return self._hand_out(len(self._buffers) - 1, base, shape)
-        return torch.from_numpy(base[:nbytes].reshape(shape))
+            return self._hand_out(len(self._buffers) - 1, base, nbytes, layout, dtype, shape)
+        return _typed(torch.from_numpy(base[:nbytes]), layout, dtype, shape)
 
-    def _hand_out(self, k: int, base: np.ndarray, shape: Sequence[int]) -> torch.Tensor:
-        view = base[: math.prod(shape)].reshape(shape)
+    def _hand_out(self, k: int, base: np.ndarray, nbytes: int, layout, dtype, shape) -> torch.Tensor:
+        view = base[:nbytes]
         self._buffers[k] = (base, weakref.ref(view))
-        return torch.from_numpy(view)
+        return _typed(torch.from_numpy(view), layout, dtype, shape)
+
+
+def _typed(raw: torch.Tensor, layout: Tuple[int, ...], dtype: torch.dtype, shape: Tuple[int, ...]) -> torch.Tensor:
+    """Bytes viewed as ``dtype`` in ``layout``, permuted to ``shape`` when the layout is channels-last."""
+    tensor = raw.view(dtype).view(layout)
+    return tensor.permute(0, 3, 1, 2) if layout != shape else tensor
 
 
 _output_allocator: contextvars.ContextVar = contextvars.ContextVar("packed_formats_output_allocator", default=None)

@@ -272,3 +272,24 @@ def check_kept_batches_without_pool(path, transform=None, **options):
             del images
         # two buffers take turns (the loader's generator holds on to the batch it yielded last)
         assert len(addresses) <= 2 < len(loader)
+
+
+def test_read_buffers_of_any_dtype_and_layout_are_reused_best_fit():
+    buffers = memory.ReusedBuffers(keep=2)
+    big = buffers.take((2, 3, 4, 5), torch.float32, torch.channels_last)
+    assert big.dtype == torch.float32 and big.shape == (2, 3, 4, 5)
+    assert big.is_contiguous(memory_format=torch.channels_last)
+    small = buffers.take((8,))
+    big_address, small_address = big.data_ptr(), small.data_ptr()
+    del big, small
+    assert buffers.take((8,)).data_ptr() == small_address  # the small one, though the big one is free too
+    assert buffers.take((2, 3, 4, 5), torch.float32).data_ptr() == big_address
+
+
+def test_in_process_augmented_batches_the_caller_keeps_are_never_overwritten(uniform_archives):
+    path = uniform_archives[("memmap", "raw")]
+    options = dict(batch_size=3, transform=T.train(16), seed=5, num_workers=0)
+    kept = [images for images, _ in pf.make_loader(path, **options)]
+    again = [images.clone() for images, _ in pf.make_loader(path, **options)]
+    assert len(kept) == len(again) > 4
+    assert all(torch.equal(a, b) for a, b in zip(kept, again))
