@@ -114,10 +114,7 @@ class ReusedBuffers:
     ) -> torch.Tensor:
         """A ``shape`` tensor of ``dtype`` (channels-last in memory when asked for a [B,C,H,W] one)."""
         shape = tuple(int(n) for n in shape)
-        layout = shape
-        if memory_format == torch.channels_last and len(shape) == 4:
-            b, c, h, w = shape
-            layout = (b, h, w, c)
+        layout = _layout(shape, memory_format)
         nbytes = math.prod(layout) * torch.empty(0, dtype=dtype).element_size()
         free = [k for k, (base, user) in enumerate(self._buffers)
                 if (user is None or user() is None) and base.nbytes >= nbytes]
@@ -136,8 +133,16 @@ class ReusedBuffers:
         return _typed(torch.from_numpy(view), layout, dtype, shape)
 
 
+def _layout(shape: Tuple[int, ...], memory_format: torch.memory_format) -> Tuple[int, ...]:
+    """How a ``shape`` tensor lies in memory: [B,H,W,C] for a channels-last [B,C,H,W] one."""
+    if memory_format == torch.channels_last and len(shape) == 4:
+        b, c, h, w = shape
+        return (b, h, w, c)
+    return shape
+
+
 def _typed(raw: torch.Tensor, layout: Tuple[int, ...], dtype: torch.dtype, shape: Tuple[int, ...]) -> torch.Tensor:
-    """Bytes viewed as ``dtype`` in ``layout``, permuted to ``shape`` when the layout is channels-last."""
+    """Contiguous bytes viewed as ``dtype`` in ``layout``, permuted to ``shape`` when the layout is channels-last."""
     tensor = raw.view(dtype).view(layout)
     return tensor.permute(0, 3, 1, 2) if layout != shape else tensor
 
@@ -221,14 +226,6 @@ class _Pooled:
         return _claim, (self.tensor, self.token, self.worker, self.slot)
 
 
-def _contiguous_strides(shape: Sequence[int]) -> Tuple[int, ...]:
-    strides, step = [], 1
-    for n in reversed(tuple(shape)):
-        strides.append(step)
-        step *= max(int(n), 1)
-    return tuple(reversed(strides))
-
-
 class SlotPool(ProcessLocalHandle):
     """Shared-memory batch buffers that each DataLoader worker reuses.
 
@@ -279,7 +276,9 @@ class SlotPool(ProcessLocalHandle):
     ) -> Optional[torch.Tensor]:
         """A ``shape`` tensor over a free slot of this worker (contiguous, or channels-last
         when asked for a [B,C,H,W] one), or None."""
-        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        shape = tuple(int(n) for n in shape)
+        layout = _layout(shape, memory_format)
+        nbytes = math.prod(layout) * torch.empty(0, dtype=dtype).element_size()
         worker = self._worker()
         if worker is None or nbytes < self.min_bytes:
             return None
@@ -293,12 +292,8 @@ class SlotPool(ProcessLocalHandle):
             buffers.storages[index] = None  # let a too-small buffer go before making its successor
             buffers.storages[index] = torch.UntypedStorage._new_shared(nbytes)
         buffers.reserved.add(index)
-        storage = buffers.storages[index]
-        if memory_format == torch.channels_last and len(shape) == 4:
-            b, c, h, w = shape
-            nhwc = torch.empty(0, dtype=dtype).set_(storage, 0, (b, h, w, c), _contiguous_strides((b, h, w, c)))
-            return nhwc.permute(0, 3, 1, 2)
-        return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape), _contiguous_strides(shape))
+        raw = torch.empty(0, dtype=torch.uint8).set_(buffers.storages[index], 0, (nbytes,), (1,))
+        return _typed(raw, layout, dtype, shape)
 
     def _slot_of(self, tensor: torch.Tensor) -> Optional[int]:
         pointer, buffers = tensor.untyped_storage().data_ptr(), self._handle()

@@ -73,7 +73,7 @@ class _Descriptor(int):
     """A per-process file descriptor (an int to every ``os`` call) that can carry the file's
     mapped sample rows, made on the first batch read."""
 
-    rows: "Optional[mapped.MappedRows | bool]" = None  # False: the samples are not evenly spaced
+    rows: "Optional[mapped.MappedRows | bool]" = None  # False: not mapped (the file is shorter than its index)
 
     def __reduce__(self):
         return int, (int(self),)  # a number elsewhere, never its map
@@ -156,11 +156,12 @@ class ZipReader(Reader):
         """One gather from the mapped file (see mapped.py); one ``pread`` per sample into a
         non-contiguous ``out``, or when the file is shorter than its index says."""
         size = self.manifest.sample_nbytes
-        if fd.rows is None and out.flags.c_contiguous:
-            fd.rows = mapped.MappedRows.of(fd, self.index.positions, size) or False
-        if fd.rows and out.flags.c_contiguous:
-            fd.rows.gather(idx, out)
-            return
+        if out.flags.c_contiguous:
+            if fd.rows is None:
+                fd.rows = mapped.MappedRows.of(fd, self.index.positions, size) or False
+            if fd.rows:
+                fd.rows.gather(idx, out)
+                return
         for j, i in enumerate(idx):
             got = os.preadv(fd, [memoryview(out[j]).cast("B")], int(self.index.positions[i]))
             if got != size:
