@@ -131,11 +131,11 @@ class MemmapReader(Reader):
             raise ArchiveNotFoundError(self.path, "no such directory")
         if not hasattr(self, "manifest"):
             return None  # metadata is read from the small .npy files directly
-        mapped = self._map_data()
-        if self._fingerprint not in (None, mapped.identity):  # replaced between the check and the open
-            mapped.close()
+        data = self._map_data()
+        if self._fingerprint not in (None, data.identity):  # replaced between the check and the open
+            data.close()
             raise ArchiveChangedError(self.path, "the archive was replaced or modified after it was opened")
-        return mapped
+        return data
 
     def _map_data(self) -> _Mapped:
         try:
