@@ -1,4 +1,4 @@
-"""Raw samples of one size at evenly spaced file positions, gathered from a memory map.
+"""Raw samples of one size at known file positions, gathered from a memory map.
 
 Once a process has touched the pages, ``torch.index_select`` over a mapped
 file gathers a shuffled batch as fast as from ordinary memory: 256 samples of
