@@ -1,13 +1,15 @@
-# make demo  - pack a generated image folder into every format and compare them
-# make test  - run the whole test suite
-# Both create .venv on first use and install the project with pinned torch builds.
+# make demo       - pack a generated image folder into every format and compare them
+# make test       - lint, type check, then run the whole test suite (what CI runs)
+# make test-fast  - the quick tier: every test not marked slow (about a minute)
+# make lint       - ruff only;  make typecheck - mypy only
+# Each creates .venv on first use and installs the project with pinned torch builds.
 
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint clean
+.PHONY: demo test test-fast lint typecheck clean
 
 $(STAMP): setup.cfg setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,11 +20,17 @@ $(STAMP): setup.cfg setup.py constraints.txt
 demo: $(STAMP)
 	$(PY) tools/demo.py
 
-test: $(STAMP)
+test: lint typecheck
 	$(PY) -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check packed_formats tests tools
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy packed_formats
 
 clean:
 	rm -rf $(VENV) demo_data .pytest_cache

@@ -6,7 +6,7 @@ import io
 from typing import Any, Callable, Optional, Tuple
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageFile
 
 ENCODINGS = ("jpeg", "png")
 _PIL_FORMAT = {"jpeg": "JPEG", "png": "PNG"}
@@ -72,7 +72,7 @@ def open_image(data: bytes, draft: "Draft | Callable[[Tuple[int, int]], Draft] |
     return image
 
 
-def _load_strictly(image: Image.Image, stream: _EncodedBytes) -> None:
+def _load_strictly(image: ImageFile.ImageFile, stream: _EncodedBytes) -> None:
     """image.load(), raising OSError if the pixel data ran out before the decoder finished."""
     if image.format not in _STRICT_FORMATS:
         image.load()
@@ -85,7 +85,7 @@ def _load_strictly(image: Image.Image, stream: _EncodedBytes) -> None:
         stream.watching = False
         load_end()
 
-    image.load_end = stop_watching
+    image.load_end = stop_watching  # type: ignore[method-assign]  # on this instance only, deleted below
     stream.watching = True
     try:
         image.load()

@@ -16,6 +16,7 @@ import warnings
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from .errors import ArchiveNotFoundError, PackedFormatError
+from .parallel import available_cores
 from .space import human_bytes as _size
 
 MOUNTS = "/proc/mounts"
@@ -111,13 +112,6 @@ def filesystem_of(path: str, mounts: str = MOUNTS) -> Dict[str, Any]:
 
 
 # ---- the machine ----------------------------------------------------------------------------
-def usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 def processes_per_node() -> int:
     """Training processes sharing this node's CPUs (torchrun's LOCAL_WORLD_SIZE, Slurm tasks)."""
     for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
@@ -133,7 +127,7 @@ def suggested_num_workers(cpus: int, processes: int = 1) -> int:
 
 
 def cpu_info() -> Dict[str, Any]:
-    cpus, processes = usable_cpus(), processes_per_node()
+    cpus, processes = available_cores(), processes_per_node()
     return {
         "usable": cpus,
         "online": os.cpu_count(),
@@ -193,6 +187,8 @@ def shm_info(batch_bytes: int, workers: int) -> Dict[str, Any]:
 
     per_worker = max(PREFETCH_FACTOR, SLOTS_PER_WORKER)
     needed = workers * per_worker * batch_bytes
+    total: Optional[int]
+    free: Optional[int]
     try:
         usage = shutil.disk_usage(SHM)
         total, free = usage.total, usage.free
@@ -266,7 +262,7 @@ def torch_info() -> Dict[str, Any]:
 def archive_summary(path: str) -> Optional[Dict[str, Any]]:
     """The manifest summary when ``path`` is an archive (or image folder), else None."""
     from .backends import detect_format, open_archive
-    from .verify import disk_usage
+    from .space import disk_usage
 
     try:
         format = detect_format(path)
@@ -303,7 +299,7 @@ def diagnose(
         raise ArchiveNotFoundError(path, "no such file or directory", hint="check the path")
     archive = archive_summary(path)
     cpu = cpu_info()
-    report = {
+    report: Dict[str, Any] = {
         "path": path,
         "filesystem": filesystem_of(path, mounts),
         "archive": archive,

@@ -40,7 +40,7 @@ def available_cores() -> int:
     """CPU cores this process may run on (respects affinity masks, e.g. under Slurm)."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
+    except (AttributeError, OSError):  # not Linux
         return max(1, os.cpu_count() or 1)
 
 
@@ -66,6 +66,7 @@ def _exit_when_orphaned(parent: int) -> None:
 
 
 def _run_chunk(indices: range, spill_dir: Optional[str] = None) -> Tuple[Optional[str], List[Any]]:
+    assert _STATE is not None, "_init_worker runs first in every worker"
     function, context = _STATE
     results = [function(context, i) for i in indices]
     if spill_dir is None:
@@ -92,12 +93,14 @@ def _spill(results: List[Any], path: str) -> Tuple[Optional[str], List[Any]]:
         with open(path, "wb") as file:
             for result in results:
                 if isinstance(result, tuple):
-                    items = []
+                    items: List[Any] = []
                     for item in result:
                         if isinstance(item, np.ndarray) and item.nbytes >= _SPILL_BYTES:
                             file.write(np.ascontiguousarray(item).data)
-                            item, offset = _Spilled(offset, item.shape, item.dtype.str), offset + item.nbytes
-                        items.append(item)
+                            items.append(_Spilled(offset, item.shape, item.dtype.str))
+                            offset += item.nbytes
+                        else:
+                            items.append(item)
                     result = tuple(items)
                 out.append(result)
     except OSError:

@@ -17,7 +17,7 @@ import numpy as np
 from .backends import detect_format, open_archive
 from .backends.base import Reader
 from .backends.folder import is_image_file, scan_image_folder
-from .errors import ArchiveNotFoundError, CorruptSampleError, PackedFormatError, UnknownFormatError
+from .errors import ArchiveNotFoundError, CorruptSampleError, InvalidSourceError, UnknownFormatError
 from .index import encode_keys
 
 
@@ -47,7 +47,7 @@ class Source:
     def raw_shape(self) -> Optional[Tuple[int, int, int]]:
         """(H, W, C) when the source is a raw archive, else None."""
         if self.reader is not None and self.reader.mode == "raw":
-            return tuple(self.reader.manifest.shape)
+            return self.reader.manifest.shape
         return None
 
     def location(self, i: int) -> str:
@@ -74,7 +74,7 @@ def open_source(path: "str | os.PathLike[str]", labels: "str | os.PathLike[str] 
     """The Source at ``path``: ImageFolder tree, flat folder (with ``labels``) or archive.
 
     Raises:
-        ArchiveNotFoundError, UnknownFormatError, PackedFormatError (bad label file).
+        ArchiveNotFoundError, UnknownFormatError, InvalidSourceError (bad label file).
     """
     path = os.fspath(path)
     if not os.path.lexists(path):
@@ -108,7 +108,7 @@ def image_folder_source(root: str) -> Source:
 def flat_folder_source(root: str, labels_path: str) -> Source:
     """Images directly in ``root`` (sorted by name) labelled by a label file."""
     if not os.path.isdir(root):
-        raise PackedFormatError(root, "--labels needs a folder of images as the source")
+        raise InvalidSourceError(root, "--labels needs a folder of images as the source")
     if not os.path.isfile(labels_path):
         raise ArchiveNotFoundError(labels_path, "no such label file")
     names = sorted(e.name for e in os.scandir(root) if e.is_file() and not e.name.startswith("."))
@@ -139,7 +139,7 @@ def read_label_file(path: str, images: Sequence[str]) -> Tuple[Tuple[str, ...], 
     if rows and all(len(row) == 1 for row in rows):
         values = [_label_word(row[0]) for row in rows]
         if len(values) != len(images):
-            raise PackedFormatError(
+            raise InvalidSourceError(
                 path,
                 f"has {len(values)} labels but the folder has {len(images)} images",
                 hint="one label per line, in sorted file name order",
@@ -158,23 +158,23 @@ def _csv_labels(path: str, rows: List[List[str]], images: Sequence[str]) -> List
     values: List[Optional[str]] = [None] * len(images)
     for line, row in enumerate(rows, 1):
         if len(row) < 2:
-            raise PackedFormatError(path, f"row {line} is not 'filename,label': {','.join(row)!r}")
+            raise InvalidSourceError(path, f"row {line} is not 'filename,label': {','.join(row)!r}")
         name = row[0].strip()
         j = by_name.get(name, by_stem.get(name))
         if j is None:
-            raise PackedFormatError(path, f"row {line} names {name!r}, which is not an image in the folder")
+            raise InvalidSourceError(path, f"row {line} names {name!r}, which is not an image in the folder")
         values[j] = _label_word(row[1])
     missing = [images[j] for j, v in enumerate(values) if v is None]
     if missing:
-        raise PackedFormatError(path, f"has no label for {len(missing)} images, e.g. {missing[0]!r}")
-    return values
+        raise InvalidSourceError(path, f"has no label for {len(missing)} images, e.g. {missing[0]!r}")
+    return [v for v in values if v is not None]  # all of them
 
 
 def _classes_and_labels(path: str, values: List[str]) -> Tuple[Tuple[str, ...], List[int]]:
     if all(v.lstrip("-").isdigit() for v in values):
         numbers = [int(v) for v in values]
         if min(numbers) < 0:
-            raise PackedFormatError(path, f"labels must be >= 0, found {min(numbers)}")
+            raise InvalidSourceError(path, f"labels must be >= 0, found {min(numbers)}")
         return tuple(str(c) for c in range(max(numbers) + 1)), numbers
     classes = tuple(sorted(set(values)))
     lookup = {name: c for c, name in enumerate(classes)}

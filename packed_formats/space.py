@@ -1,11 +1,12 @@
-"""Disk space: how much is free where an archive is written, and byte counts for people."""
+"""Disk space: the files an archive is made of, how much is free where one is written, byte counts for people."""
 
 from __future__ import annotations
 
+import os
 import shutil
-from typing import Optional
+from typing import List, Optional, Tuple
 
-from .errors import PackedFormatError
+from .errors import InsufficientSpaceError
 
 
 def human_bytes(n: Optional[float]) -> str:
@@ -19,6 +20,38 @@ def human_bytes(n: Optional[float]) -> str:
     return f"{n} B"  # unreachable
 
 
+def archive_files(path: str, follow_links: bool = False) -> List[Tuple[str, int]]:
+    """(name relative to ``path``, size) of every regular file of an archive or folder, sorted.
+
+    A one-file archive gives ``[("", size)]``.  ``follow_links`` descends into
+    linked directories too (an image folder may be assembled from links).
+    """
+    if not os.path.isdir(path):
+        return [("", os.path.getsize(path))]
+    found = []
+    for directory, _subdirs, names in os.walk(path, followlinks=follow_links):
+        for name in names:
+            full = os.path.join(directory, name)
+            if os.path.isfile(full):
+                found.append((os.path.relpath(full, path), os.path.getsize(full)))
+    return sorted(found)
+
+
+def disk_usage(path: "str | os.PathLike[str]", parts: bool = True) -> int:
+    """Bytes of the archive at ``path``: every file of a directory; with ``parts``, every part of a sharded archive."""
+    from .backends.sharded import is_shard_index, read_shard_index  # not at import: backends may import this module
+
+    path = os.fspath(path)
+    total = sum(size for _name, size in archive_files(path))
+    if not parts or os.path.isdir(path):
+        return total
+    with open(path, "rb") as file:
+        if not is_shard_index(file.read(64)):
+            return total
+    directory = os.path.dirname(os.path.abspath(path))
+    return total + sum(disk_usage(os.path.join(directory, n)) for n in read_shard_index(path)["names"])
+
+
 def free_bytes(directory: str) -> Optional[int]:
     """Bytes this user may still write in ``directory``'s file system (None: it reports no size, e.g. sysfs)."""
     usage = shutil.disk_usage(directory)
@@ -26,10 +59,10 @@ def free_bytes(directory: str) -> Optional[int]:
 
 
 def check_free_space(directory: str, needed: int, purpose: str, hint: Optional[str] = None) -> None:
-    """Raise PackedFormatError naming ``directory`` when it has fewer than ``needed`` bytes free."""
+    """Raise InsufficientSpaceError naming ``directory`` when it has fewer than ``needed`` bytes free."""
     free = free_bytes(directory)
     if free is not None and free < needed:
-        raise PackedFormatError(
+        raise InsufficientSpaceError(
             directory,
             f"not enough space to {purpose}: needs about {human_bytes(needed)} ({needed} bytes), "
             f"{human_bytes(free)} ({free} bytes) free",

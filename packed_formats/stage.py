@@ -32,8 +32,15 @@ from typing import Iterator, List, Optional, Tuple
 from .backends import PACKED_FORMATS, detect_format, open_archive
 from .backends.base import Reader, publish, remove_path
 from .backends.sharded import read_shard_index
-from .errors import ArchiveExistsError, PackedFormatError, UnknownFormatError
-from .space import check_free_space
+from .errors import (
+    ArchiveChangedError,
+    ArchiveExistsError,
+    ArchiveInUseError,
+    DestinationError,
+    PackedFormatError,
+    UnknownFormatError,
+)
+from .space import archive_files, check_free_space, disk_usage
 from .verify import verify_archive
 
 log = logging.getLogger("packed_formats")
@@ -69,8 +76,10 @@ def stage(path: "str | os.PathLike[str]", to: "str | os.PathLike[str]", timeout:
 
     Raises:
         CorruptSampleError: a sample of the source fails its checksum (no copy is left).
-        PackedFormatError: the source is not a packed archive, the destination has no
-            room, or the lock wait timed out.
+        UnknownFormatError: the source is not a packed archive.
+        InsufficientSpaceError: the destination has no room for the copy.
+        ArchiveInUseError: the lock wait timed out.
+        PackedFormatError: any other problem with the source or the copy.
     """
     return stage_archive(path, to, timeout=timeout).path
 
@@ -86,7 +95,7 @@ def stage_archive(
     os.makedirs(directory, exist_ok=True)
     target = os.path.join(directory, os.path.basename(os.path.normpath(source)))
     if os.path.realpath(target) == os.path.realpath(source):
-        return StagedArchive(target, False, sum(_disk_usage(p) for p in parts + [source]), 0.0)
+        return StagedArchive(target, False, sum(disk_usage(p, parts=False) for p in parts + [source]), 0.0)
     copied, nbytes = False, 0
     with _exclusive(_lock_path(target), timeout):
         for part in parts:  # each part of a sharded archive is a complete archive of its own
@@ -102,7 +111,7 @@ def stage_archive(
 def _stage_one(source: str, target: str, check_samples: bool) -> Tuple[bool, int]:
     """Copy one archive unless an identical copy is there (caller holds the lock); (copied, bytes)."""
     expected = _source_fingerprint(source)
-    nbytes = _disk_usage(source)
+    nbytes = disk_usage(source, parts=False)  # a sharded archive's parts are staged one by one
     _remove_leftovers(target)
     if _is_identical_copy(target, expected, check_samples):
         return False, nbytes
@@ -128,22 +137,6 @@ def _parts_of(source: str) -> List[str]:
 
 
 # ---- identity ---------------------------------------------------------------------------
-def archive_files(path: str) -> List[Tuple[str, int]]:
-    """(relative name, size) of every file of an archive: ("", size) for a one-file archive."""
-    if not os.path.isdir(path):
-        return [("", os.path.getsize(path))]
-    found = []
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            full = os.path.join(root, name)
-            found.append((os.path.relpath(full, path), os.path.getsize(full)))
-    return sorted(found)
-
-
-def _disk_usage(path: str) -> int:
-    return sum(size for _name, size in archive_files(path))
-
-
 def fingerprint(reader: Reader) -> str:
     """A cheap content hash: file names and sizes, manifest, and index arrays (labels, CRCs...)."""
     digest = hashlib.sha256(reader.manifest.to_json().encode())
@@ -239,7 +232,7 @@ def _copy_verified(source: str, target: str, expected: str, check_samples: bool)
             shutil.copyfile(source, temp)
         with open_archive(temp, verify=True) as copy:
             if fingerprint(copy) != expected:
-                raise PackedFormatError(source, "the copy differs from the source", hint="is it being rewritten?")
+                raise ArchiveChangedError(source, "the copy differs from the source", hint="is it being rewritten?")
         if check_samples:
             _verify_copy(temp, source)
         publish(temp, target, overwrite=True)
@@ -256,7 +249,7 @@ def _verify_copy(copy: str, source: str) -> None:
     bad = report.bad[0].index
     with open_archive(source, verify=True) as original:
         original.read_bytes(bad)  # raises CorruptSampleError naming the source when the source is damaged
-    raise PackedFormatError(
+    raise DestinationError(
         source, f"the copy of sample {bad} differs from the source", hint="retry; check the local disk"
     )
 
@@ -306,7 +299,7 @@ def _flock(fd: int, lock_path: str, timeout: Optional[float]) -> None:
             if exc.errno not in (errno.EAGAIN, errno.EACCES):
                 raise
         if time.monotonic() >= deadline:
-            raise PackedFormatError(
+            raise ArchiveInUseError(
                 lock_path,
                 f"another process has been staging this archive for more than {timeout:g} s",
                 hint="wait longer (--timeout) or remove a stale lock holder",

@@ -8,7 +8,7 @@ in an ImageFolder tree.  The same seed gives the same files.
 from __future__ import annotations
 
 import os
-from typing import Sequence, Tuple
+from typing import Any, Dict, Sequence, Tuple
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -71,6 +71,6 @@ def make_image_folder(
         for n in range(images_per_class):
             w, h = (int(x) for x in rng.integers(sizes[0], sizes[1] + 1, size=2))
             image = draw_image(kind if kind in CLASSES else CLASSES[hash(kind) % len(CLASSES)], (w, h), rng)
-            options = {"quality": quality} if encoding == "jpeg" else {}
+            options: Dict[str, Any] = {"quality": quality} if encoding == "jpeg" else {}
             image.save(os.path.join(directory, f"{kind}_{n:05d}.{extension}"), **options)
     return root

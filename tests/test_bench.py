@@ -15,12 +15,12 @@ from PIL import Image
 
 import packed_formats as pf
 from packed_formats.bench import BenchConfig, format_table, run_benchmark
-from packed_formats.bench.environment import archive_files, filesystem_type
+from packed_formats.bench.environment import archive_paths, filesystem_type
 from packed_formats.bench.measure import MemorySampler, time_epoch
 from packed_formats.bench.pagecache import evict, resident_bytes, warm
 from packed_formats.bench.references import bare_decode_rate, copy_bound_rate
 from packed_formats.bench.report import rate
-from packed_formats.bench.seed import TutorialMemmapData, TutorialRandomCrop, TutorialRandomHFlip
+from packed_formats.bench.tensordict_memmap import TutorialMemmapData, TutorialRandomCrop, TutorialRandomHFlip
 from packed_formats.cli import main
 
 from .conftest import RAW_SHAPE
@@ -45,6 +45,7 @@ def cli_run(archives, tmp_path_factory):
         return json.load(file), out / "r.png", done.stdout
 
 
+@pytest.mark.slow
 def test_json_has_a_run_for_every_target_and_worker_count(cli_run, archives):
     results, _, _ = cli_run
     measured = {(r["path"], r["workers"]) for r in results["runs"] if r["role"] == "target" or
@@ -53,6 +54,7 @@ def test_json_has_a_run_for_every_target_and_worker_count(cli_run, archives):
     assert measured == expected
 
 
+@pytest.mark.slow
 def test_every_run_reports_positive_rates_per_epoch(cli_run):
     results, _, _ = cli_run
     for row in results["runs"]:
@@ -64,6 +66,7 @@ def test_every_run_reports_positive_rates_per_epoch(cli_run):
         assert row["images_per_s"]["min"] <= row["images_per_s"]["median"] <= row["images_per_s"]["max"]
 
 
+@pytest.mark.slow
 def test_every_epoch_delivers_the_whole_dataset(cli_run):
     results, _, _ = cli_run
     counts = {t["path"]: t["count"] for t in results["targets"]}
@@ -71,13 +74,15 @@ def test_every_epoch_delivers_the_whole_dataset(cli_run):
         assert [e["images"] for e in row["epochs"]] == [counts[row["path"]]] * EPOCHS
 
 
-def test_seed_tutorial_baseline_runs_on_the_raw_memmap_archive(cli_run, archives):
+@pytest.mark.slow
+def test_tensordict_baseline_runs_on_the_raw_memmap_archive(cli_run, archives):
     results, _, _ = cli_run
-    seed = [r for r in results["runs"] if r["loader"] == "seed-tutorial"]
-    assert {(r["path"], r["workers"]) for r in seed} == {(os.path.abspath(archives[("memmap", "raw")]), w)
+    baseline = [r for r in results["runs"] if r["loader"] == "tensordict-memmap"]
+    assert {(r["path"], r["workers"]) for r in baseline} == {(os.path.abspath(archives[("memmap", "raw")]), w)
                                                           for w in WORKERS}
 
 
+@pytest.mark.slow
 def test_references_cover_raw_shapes_and_encoded_process_counts(cli_run):
     results, _, _ = cli_run
     copy = [r for r in results["references"] if r["name"] == "copy-bound"]
@@ -87,6 +92,7 @@ def test_references_cover_raw_shapes_and_encoded_process_counts(cli_run):
     assert all(r["images_per_s"] > 0 for r in results["references"])
 
 
+@pytest.mark.slow
 def test_every_run_has_its_ratio_to_its_limit(cli_run):
     results, _, _ = cli_run
     for row in results["runs"]:
@@ -95,6 +101,7 @@ def test_every_run_has_its_ratio_to_its_limit(cli_run):
         assert row["limit"]["name"] == expected
 
 
+@pytest.mark.slow
 def test_raw_archives_get_ratios_to_raw_memmap_and_the_baselines(cli_run):
     results, _, _ = cli_run
     def find(**match):
@@ -103,12 +110,13 @@ def test_raw_archives_get_ratios_to_raw_memmap_and_the_baselines(cli_run):
         row = find(format="zip", mode="raw", workers=w, role="target")
         memmap = find(format="memmap", mode="raw", workers=w, role="target")
         folder = find(loader="torchvision-imagefolder", workers=w)
-        seed = find(loader="seed-tutorial", workers=w)
+        tensordict = find(loader="tensordict-memmap", workers=w)
         assert row["ratios"]["vs_raw_memmap"] == pytest.approx(rate(row) / rate(memmap))
         assert row["ratios"]["vs_imagefolder"] == pytest.approx(rate(row) / rate(folder))
-        assert row["ratios"]["vs_seed_tutorial"] == pytest.approx(rate(row) / rate(seed))
+        assert row["ratios"]["vs_tensordict"] == pytest.approx(rate(row) / rate(tensordict))
 
 
+@pytest.mark.slow
 def test_report_states_environment_sizes_and_memory(cli_run, archives):
     results, _, _ = cli_run
     env = results["environment"]
@@ -124,12 +132,14 @@ def test_report_states_environment_sizes_and_memory(cli_run, archives):
         assert row["memory"]["child_processes_seen"] >= row["workers"]
 
 
+@pytest.mark.slow
 def test_plot_is_a_valid_png(cli_run):
     _, png, _ = cli_run
     with Image.open(png) as image:
         assert image.format == "PNG" and image.size[0] > 100 and image.size[1] > 100
 
 
+@pytest.mark.slow
 def test_terminal_table_lists_every_target(cli_run):
     results, _, stdout = cli_run
     for target in results["targets"]:
@@ -137,9 +147,10 @@ def test_terminal_table_lists_every_target(cli_run):
     assert "copy-bound limit" in stdout and "bare decode" in stdout
 
 
+@pytest.mark.slow
 def test_cold_run_attempts_eviction_before_every_epoch(archives):
     config = BenchConfig(workers=[0], batch_size=8, epochs=2, warmup=1, size=16, cold=True,
-                         references=False, seed_tutorial=False, loader="dataset")
+                         references=False, tensordict_baseline=False, loader="dataset")
     results = run_benchmark([archives[("memmap", "raw")], archives[("folder", "encoded")]], config, log=lambda s: None)
     for row in results["runs"]:
         assert row["error"] is None, row["error"]
@@ -150,6 +161,7 @@ def test_cold_run_attempts_eviction_before_every_epoch(archives):
     assert "cold (page cache evicted before each epoch)" in format_table(results)
 
 
+@pytest.mark.slow
 def test_val_and_train_pipelines_run_on_every_kind_of_target_and_the_baselines(archives):
     paths = [archives[k] for k in (("folder", "encoded"), ("memmap", "raw"), ("zip", "encoded"), ("lmdb", "raw"))]
     config = BenchConfig(workers=[0], batch_size=8, epochs=1, warmup=1, size=16, pipelines=["val", "train"],
@@ -158,7 +170,7 @@ def test_val_and_train_pipelines_run_on_every_kind_of_target_and_the_baselines(a
     runs = {(r["loader"], r["path"], r["pipeline"]) for r in results["runs"] if r["error"] is None}
     for pipeline in ("val", "train"):
         assert ("torchvision-imagefolder", os.path.abspath(paths[0]), pipeline) in runs
-        assert ("seed-tutorial", os.path.abspath(paths[1]), pipeline) in runs
+        assert ("tensordict-memmap", os.path.abspath(paths[1]), pipeline) in runs
         for path in paths[1:]:
             assert ("make_loader", os.path.abspath(path), pipeline) in runs
     assert all(r["error"] is None for r in results["runs"]), [r["error"] for r in results["runs"]]
@@ -168,10 +180,10 @@ def test_val_and_train_pipelines_run_on_every_kind_of_target_and_the_baselines(a
 
 def test_warm_run_reads_the_whole_target_into_the_page_cache_first(archives):
     config = BenchConfig(workers=[0], batch_size=8, epochs=1, warmup=1, size=16,
-                         references=False, seed_tutorial=False, loader="dataset")
+                         references=False, tensordict_baseline=False, loader="dataset")
     results = run_benchmark([archives[("memmap", "raw")], archives[("folder", "encoded")]], config, log=lambda s: None)
     for row in results["runs"]:
-        files = archive_files(row["path"])
+        files = archive_paths(row["path"])
         assert row["warmed"]["files"] == len(files)
         assert row["warmed"]["bytes_read"] == sum(os.path.getsize(f) for f in files)
 
@@ -215,7 +227,7 @@ def test_bare_decode_rate_runs_in_the_requested_number_of_processes(archives):
     assert ref["processes"] == 2 and len(ref["per_process"]) == 2 and min(ref["per_process"]) > 0
 
 
-def test_seed_tutorial_dataset_returns_whole_batches_as_stored(archives):
+def test_tensordict_baseline_dataset_returns_whole_batches_as_stored(archives):
     path = archives[("memmap", "raw")]
     images, targets = TutorialMemmapData(path).__getitems__([5, 0, 5])
     with pf.open_archive(path) as reader:
@@ -225,7 +237,7 @@ def test_seed_tutorial_dataset_returns_whole_batches_as_stored(archives):
     assert targets.tolist() == labels.tolist()
 
 
-def test_seed_tutorial_crop_and_flip_keep_whole_windows_per_sample():
+def test_tensordict_baseline_crop_and_flip_keep_whole_windows_per_sample():
     batch = torch.arange(4 * 3 * 10 * 12, dtype=torch.float32).reshape(4, 3, 10, 12)
     cropped = TutorialRandomCrop(6)(batch)
     assert cropped.shape == (4, 3, 6, 6)
@@ -279,6 +291,7 @@ def test_time_epoch_counts_gpu_work_that_is_still_queued_when_a_batch_arrives():
     assert record["timed_seconds"] >= 1.5 * one_sleep  # two timed batches, each waited for
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_bench_times_make_loader_against_a_plain_copy_of_the_same_batches(archives):
     paths = [archives[("folder", "encoded")], archives[("memmap", "raw")], archives[("zip", "encoded")]]
@@ -298,8 +311,8 @@ def test_cuda_bench_times_make_loader_against_a_plain_copy_of_the_same_batches(a
             for w in (0, 1):
                 fast, plain = find("make_loader", path, pipeline, w), find("plain-to-device", path, pipeline, w)
                 assert fast["ratios"]["vs_plain_copy"] == pytest.approx(rate(fast) / rate(plain))
-    seed = {r["workers"] for r in results["runs"] if r["loader"] == "seed-tutorial"}
-    assert seed == {0}  # the tutorial moves batches to the GPU in collate_fn: main process only
+    tensordict = {r["workers"] for r in results["runs"] if r["loader"] == "tensordict-memmap"}
+    assert tensordict == {0}  # the tutorial moves batches to the GPU in collate_fn: main process only
     assert "plain .to" in format_table(results)
 
 

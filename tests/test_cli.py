@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -18,7 +19,7 @@ import psutil
 import pytest
 
 import packed_formats as pf
-from packed_formats import cli
+from packed_formats import cli, errors
 from packed_formats.synthetic import make_image_folder
 
 from .conftest import ARCHIVE_KINDS, CLASSES, PER_CLASS, kind_id
@@ -87,7 +88,9 @@ def copy_archive(path, directory):
 # ---- convert, end to end ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ARCHIVE_KINDS, ids=kind_id)
+@pytest.mark.parametrize(
+    "kind", [k if k == ("zip", "raw") else pytest.param(k, marks=pytest.mark.slow) for k in ARCHIVE_KINDS], ids=kind_id
+)
 def test_convert_command_writes_a_complete_archive(tmp_path, image_folder, kind):
     fmt, mode = kind
     dst = tmp_path / f"out.{fmt}"
@@ -106,6 +109,7 @@ def test_convert_command_writes_a_complete_archive(tmp_path, image_folder, kind)
     assert temp_files(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_tools_convert_script_writes_the_same_archive_as_the_command(tmp_path, image_folder):
     env = {k: v for k, v in os.environ.items() if k != "SOURCE_DATE_EPOCH"}
     options = ["--format", "zip", "--mode", "raw", "--size", "16", "--quiet"]
@@ -157,6 +161,7 @@ def wait_until_writing(process, directory, timeout=120):
     raise AssertionError("no temporary archive appeared")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
 def test_interrupted_conversion_removes_its_temp_files_and_exits_nonzero(tmp_path, big_folder, how):
     dst = tmp_path / "out.zip"
@@ -173,6 +178,7 @@ def test_interrupted_conversion_removes_its_temp_files_and_exits_nonzero(tmp_pat
     assert psutil.wait_procs(workers, timeout=10)[1] == []
 
 
+@pytest.mark.slow
 def test_existing_destination_survives_an_interrupted_overwrite(tmp_path, big_folder):
     dst = tmp_path / "out.zip"
     dst.write_bytes(b"precious")
@@ -188,6 +194,7 @@ def test_existing_destination_survives_an_interrupted_overwrite(tmp_path, big_fo
     assert os.listdir(tmp_path) == ["out.zip"] and dst.read_bytes() == b"precious"
 
 
+@pytest.mark.slow
 def test_killed_conversion_leaves_no_archive_and_a_rerun_succeeds(tmp_path, big_folder):
     dst = tmp_path / "out.zip"
     process = start_slow_conversion(big_folder, dst)
@@ -202,6 +209,7 @@ def test_killed_conversion_leaves_no_archive_and_a_rerun_succeeds(tmp_path, big_
     assert temp_files(tmp_path) == [], "the dead conversion's temporary file is cleaned up"
 
 
+@pytest.mark.slow
 def test_a_killed_worker_fails_the_conversion_with_a_clear_error(tmp_path, big_folder):
     dst = tmp_path / "out.zip"
     process = start_slow_conversion(big_folder, dst)
@@ -342,6 +350,24 @@ def test_an_unwritable_destination_is_one_line_naming_it(capsys, image_folder):
     assert err.startswith("packed-formats convert: error: /sys/x.zip: cannot write the archive: ")
 
 
+ERROR_CLASSES = sorted(
+    (c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.PackedFormatError)),
+    key=lambda c: c.__name__,
+)
+
+
+@pytest.mark.parametrize("cls", ERROR_CLASSES, ids=lambda c: c.__name__)
+def test_every_error_pickles_with_its_fields_and_prints_as_one_line(cls):
+    error = cls("/data/train.zip", "went wrong", index=3, key="cats/1.jpg", hint="do this")
+    copy = pickle.loads(pickle.dumps(error))  # as it crosses a DataLoader worker boundary
+    assert type(copy) is cls
+    assert (copy.path, copy.problem, copy.index, copy.key, copy.hint) == (
+        "/data/train.zip", "went wrong", 3, "cats/1.jpg", "do this"
+    )
+    expected = "/data/train.zip [sample index 3, key 'cats/1.jpg']: went wrong (do this)"
+    assert cli.user_error(copy) == str(error) == expected
+
+
 def test_a_missing_optional_package_says_what_to_install(capsys, monkeypatch):
     def needs_matplotlib(path):
         raise ModuleNotFoundError("No module named 'matplotlib'", name="matplotlib")
@@ -378,6 +404,7 @@ def test_bench_out_in_a_missing_directory_fails_before_benchmarking(capsys, arch
     ]
 
 
+@pytest.mark.slow
 def test_command_line_errors_print_no_traceback(tmp_path):
     done = run_cli("convert", tmp_path / "nope", tmp_path / "out.zip")
     assert done.returncode == 2

@@ -50,6 +50,7 @@ def torchrun_result(archives, image_folder, tmp_path_factory):
     return ranks, odd
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ALL_KINDS, ids="-".join)
 def test_ranks_split_each_epoch_disjointly_and_cover_the_archive(torchrun_result, archives, kind):
     ranks, _ = torchrun_result
@@ -63,6 +64,7 @@ def test_ranks_split_each_epoch_disjointly_and_cover_the_archive(torchrun_result
     assert ranks[0][path]["len"] == math.ceil(n / 2 / 5)
 
 
+@pytest.mark.slow
 def test_an_odd_count_is_padded_with_the_first_shuffled_sample(torchrun_result):
     ranks, odd = torchrun_result
     for epoch in (0, 1):

@@ -25,6 +25,7 @@ def test_notebook_is_stored_without_outputs(path):
     assert any(cell.cell_type == "markdown" for cell in notebook.cells)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)  # a safety net for a shared machine, not a speed target
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs_end_to_end(path, tmp_path, monkeypatch):

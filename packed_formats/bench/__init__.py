@@ -2,7 +2,7 @@
 
 ``run_benchmark(paths, BenchConfig(...))`` times each archive or ImageFolder
 at each worker count and pipeline (see ``measure`` for how timing is done),
-adds the torchvision ImageFolder and seed-tutorial baselines and the
+adds the torchvision ImageFolder and tensordict-style memmap baselines and the
 copy-bound / bare-decode reference points, and returns one dict;
 ``format_table``, ``write_json`` and ``plot`` turn it into a report.
 """

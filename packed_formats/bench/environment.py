@@ -6,14 +6,13 @@ import os
 import platform
 from typing import Dict, List, Optional, Tuple
 
+from ..parallel import available_cores
+from ..space import archive_files
+
 
 def cpu_count() -> Dict[str, Optional[int]]:
     """Logical CPUs of the machine and those this process may run on."""
-    try:
-        usable: Optional[int] = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        usable = None
-    return {"logical": os.cpu_count(), "usable": usable}
+    return {"logical": os.cpu_count(), "usable": available_cores()}
 
 
 def jpeg_support() -> Dict[str, object]:
@@ -86,20 +85,15 @@ def filesystem_type(path: str) -> Optional[str]:
     return best[1]
 
 
-def archive_files(path: str) -> List[str]:
-    """The regular files that make up an archive or folder (every file below a directory)."""
-    if not os.path.isdir(path):
-        return [path]
-    files = []
-    for directory, _subdirs, names in os.walk(path, followlinks=True):
-        files += [os.path.join(directory, n) for n in sorted(names)]
-    return [f for f in files if os.path.isfile(f)]
+def archive_paths(path: str) -> List[str]:
+    """The paths of the regular files that make up an archive or folder (every file below a directory)."""
+    return [os.path.join(path, name) if name else path for name, _size in archive_files(path, follow_links=True)]
 
 
 def size_on_disk(path: str) -> Dict[str, int]:
     """Allocated bytes (like ``du``), apparent bytes and file count of a file or directory tree."""
     allocated = apparent = 0
-    files = archive_files(path)
+    files = archive_paths(path)
     for name in files:
         st = os.stat(name)
         apparent += st.st_size

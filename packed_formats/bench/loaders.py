@@ -133,7 +133,7 @@ class PlainCopyLoader:
     def __init__(self, path: str, mode: str, pipeline: str, size: int, batch_size: int, workers: int,
                  shuffle: bool, context: Optional[str], decode_size: Optional[int] = None, seed: int = 0,
                  device: str = "cuda"):
-        from ..loader import batch_generator
+        from ..sampling import batch_generator
 
         self.host = make_loader_loader(path, mode, "none", size, batch_size, workers, shuffle, context,
                                        decode_size, seed, device="cpu")
@@ -144,7 +144,7 @@ class PlainCopyLoader:
         return len(self.host)
 
     def __iter__(self):
-        from ..loader import copy_then_transform
+        from ..device import copy_then_transform
 
         batches = iter(self.host)  # starts the next epoch
         epoch, seed = self.host.epoch, self.seed

@@ -22,7 +22,7 @@ from .pagecache import evict, warm
 
 def batch_size_of(batch: Any) -> int:
     """Samples in one delivered batch: ``(images, labels)`` with images a tensor or a list."""
-    images = batch[0] if isinstance(batch, (tuple, list)) and len(batch) == 2 else batch
+    images: Any = batch[0] if isinstance(batch, (tuple, list)) and len(batch) == 2 else batch
     images = getattr(images, "images", images)
     if hasattr(images, "shape"):
         return int(images.shape[0])
@@ -212,7 +212,7 @@ def time_loader(
     """
     records = []
     warmed = warm(warm_path) if warm_path and not cold_path else None
-    loader = None if cold_path else make_loader()
+    loader: Optional[Iterable] = None if cold_path else make_loader()
     with MemorySampler() as sampler:
         for epoch in range(epochs):
             eviction = None
@@ -221,6 +221,7 @@ def time_loader(
                 gc.collect()
                 eviction = evict(cold_path)
                 loader = make_loader()
+            assert loader is not None  # built once above, or just now for a cold epoch
             record = time_epoch(loader, warmup, max_batches, on_first_batch=sampler.sample)
             record["epoch"] = epoch
             if eviction is not None:

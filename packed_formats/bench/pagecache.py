@@ -19,9 +19,9 @@ import ctypes
 import ctypes.util
 import mmap
 import os
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
-from .environment import archive_files
+from .environment import archive_paths
 
 _libc = None
 
@@ -83,8 +83,9 @@ def warm(path: str, chunk: int = 8 << 20) -> Dict[str, object]:
     Returns ``files``, ``bytes_read`` and ``resident_before``/``resident_after``
     bytes (None when mincore is unavailable).
     """
-    files = archive_files(path)
-    record: Dict[str, object] = {"files": len(files), "bytes_read": 0, "resident_before": _total_resident(files)}
+    files = archive_paths(path)
+    resident_before = _total_resident(files)
+    bytes_read = 0
     buffer = bytearray(chunk)
     for name in files:
         with open(name, "rb", buffering=0) as file:
@@ -92,9 +93,13 @@ def warm(path: str, chunk: int = 8 << 20) -> Dict[str, object]:
                 n = file.readinto(buffer)
                 if not n:
                     break
-                record["bytes_read"] += n
-    record["resident_after"] = _total_resident(files)
-    return record
+                bytes_read += n
+    return {
+        "files": len(files),
+        "bytes_read": bytes_read,
+        "resident_before": resident_before,
+        "resident_after": _total_resident(files),
+    }
 
 
 def evict(path: str) -> Dict[str, object]:
@@ -105,12 +110,14 @@ def evict(path: str) -> Dict[str, object]:
     (None when mincore is unavailable) and ``evicted`` (True, False, or None
     when residency could not be measured).
     """
-    files = archive_files(path)
-    record: Dict[str, object] = {"attempted": True, "files": len(files), "advised": 0, "errors": []}
+    files = archive_paths(path)
+    errors: List[str] = []
+    record: Dict[str, object] = {"attempted": True, "files": len(files), "advised": 0, "errors": errors}
     if not hasattr(os, "posix_fadvise"):
         record.update(attempted=False, evicted=False, errors=["os.posix_fadvise is not available on this platform"])
         return record
     record["resident_before"] = _total_resident(files)
+    advised = 0
     for name in files:
         try:
             fd = os.open(name, os.O_RDONLY)
@@ -119,9 +126,10 @@ def evict(path: str) -> Dict[str, object]:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
-            record["advised"] += 1
+            advised += 1
         except OSError as exc:
-            record["errors"].append(f"{name}: {exc.strerror}")
+            errors.append(f"{name}: {exc.strerror}")
+    record["advised"] = advised
     after = _total_resident(files)
     record["resident_after"] = after
     record["evicted"] = None if after is None else after == 0 or after <= 0.05 * max(1, _apparent(files))
@@ -139,7 +147,7 @@ def _apparent(files: List[str]) -> int:
     return sum(os.path.getsize(f) for f in files)
 
 
-def eviction_note(records: List[Dict[str, object]]) -> Optional[str]:
+def eviction_note(records: List[Dict[str, Any]]) -> Optional[str]:
     """One line for the report when eviction failed or could not be confirmed, else None."""
     if not records:
         return None

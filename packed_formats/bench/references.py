@@ -65,12 +65,12 @@ def copy_bound_rate(
 
 def decode_to(blob: bytes, size: Optional[int]) -> np.ndarray:
     """RGB pixels of ``blob``, at ``size`` x ``size`` when given (JPEG DCT scaling, then bilinear resize)."""
-    image = Image.open(io.BytesIO(blob))
+    image: Image.Image = Image.open(io.BytesIO(blob))
     if size is not None and image.format == "JPEG":
         image.draft("RGB", (size, size))
     image = image.convert("RGB")
     if size is not None and image.size != (size, size):
-        image = image.resize((size, size), Image.BILINEAR)
+        image = image.resize((size, size), Image.Resampling.BILINEAR)
     return codecs.pil_to_array(image, 3)
 
 
@@ -100,7 +100,11 @@ def bare_decode_rate(
         ctx = multiprocessing.get_context(context)
         barrier, queue = ctx.Barrier(processes), ctx.Queue()
         workers = [
-            ctx.Process(target=_decode_worker, args=(blobs, size, seconds, barrier, queue)) for _ in range(processes)
+            # every concrete context has Process; typeshed's BaseContext, which get_context(str) returns, does not
+            ctx.Process(  # type: ignore[attr-defined]
+                target=_decode_worker, args=(blobs, size, seconds, barrier, queue)
+            )
+            for _ in range(processes)
         ]
         for w in workers:
             w.start()

@@ -7,12 +7,12 @@ import multiprocessing
 import os
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from ..backends import detect_format, open_archive
 from ..errors import PackedFormatError
 from . import environment, loaders, measure, references
-from .seed import tutorial_loader
+from .tensordict_memmap import tutorial_loader
 
 START_METHODS = ("fork", "spawn", "forkserver")
 
@@ -33,7 +33,7 @@ class BenchConfig:
     shuffle: bool = True
     loader: str = "auto"
     references: bool = True
-    seed_tutorial: bool = True
+    tensordict_baseline: bool = True
     decode_size: Optional[int] = None  # None: round(size * 256 / 224), the usual resize before a crop
     source: Optional[str] = None
     reference_seconds: float = 1.0
@@ -79,7 +79,7 @@ def describe_target(path: str, source_bytes: Optional[int]) -> Dict[str, Any]:
     fmt = detect_format(path)
     with open_archive(path, verify=False) as reader:
         manifest = reader.manifest
-    size = environment.size_on_disk(path)
+    size: Dict[str, float] = dict(environment.size_on_disk(path))
     if source_bytes and fmt != "folder":
         size["source_bytes"] = source_bytes
         size["vs_source"] = size["bytes_on_disk"] / source_bytes
@@ -114,7 +114,7 @@ def build_loader(target: Dict[str, Any], loader: str, pipeline: str, workers: in
     common = (pipeline, config.size, config.batch_size, workers, config.shuffle, config.start_method)
     if loader == "torchvision-imagefolder":
         built = loaders.imagefolder_loader(target["path"], *common)
-    elif loader == "seed-tutorial":
+    elif loader == "tensordict-memmap":
         return tutorial_loader(target["path"], pipeline, config.size, config.batch_size, workers,
                                config.shuffle, config.start_method, device=config.device)
     elif loader == "make_loader":
@@ -152,7 +152,7 @@ def measure_one(target: Dict[str, Any], loader: str, pipeline: str, workers: int
 def measure_references(targets: List[Dict[str, Any]], config: BenchConfig, log: Callable[[str], None]) -> List[Dict]:
     """Copy-bound limits (one per raw shape) and bare decode rates (per encoded content and process count)."""
     out: List[Dict[str, Any]] = []
-    seen = set()
+    seen: Set[Tuple[Any, ...]] = set()  # ("copy", shape, count) and (decode fingerprint, processes)
     processes = sorted({max(1, int(w)) for w in config.workers})
     for target in targets:
         if target["mode"] == "raw":
@@ -222,11 +222,11 @@ def run_benchmark(paths: Sequence[str], config: Optional[BenchConfig] = None,
                     log(f"{pipeline:5} {target['name']} via a plain .to({config.device}), {workers} workers")
                     results["runs"].append(measure_one(target, "plain-to-device", pipeline, int(workers), config,
                                                        "baseline"))
-            if config.seed_tutorial and target["format"] == "memmap" and target["mode"] == "raw":
+            if config.tensordict_baseline and target["format"] == "memmap" and target["mode"] == "raw":
                 # the tutorial moves batches to the GPU in its collate_fn: in the main process only
                 for workers in [w for w in config.workers if not (config.on_cuda and int(w))]:
-                    log(f"{pipeline:5} seed-tutorial loader on {target['name']}, {workers} workers")
-                    results["runs"].append(measure_one(target, "seed-tutorial", pipeline, int(workers), config,
+                    log(f"{pipeline:5} tensordict-memmap loader on {target['name']}, {workers} workers")
+                    results["runs"].append(measure_one(target, "tensordict-memmap", pipeline, int(workers), config,
                                                        "baseline"))
     if config.references:
         results["references"] = measure_references(targets, config, log)

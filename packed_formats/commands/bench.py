@@ -10,7 +10,7 @@ import tempfile
 from typing import Iterator, List
 
 from ..bench.loaders import LOADERS, PIPELINES
-from ..errors import PackedFormatError
+from ..errors import DestinationError
 
 HELP = "measure images/s of archives and ImageFolders at several worker counts, against limits and baselines"
 EXAMPLES = """\
@@ -69,8 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "or auto (make_loader where available)")
     parser.add_argument("--no-references", dest="references", action="store_false",
                         help="skip the copy-bound and bare-decode reference points")
-    parser.add_argument("--no-seed-tutorial", dest="seed_tutorial", action="store_false",
-                        help="skip the seed tutorial's loader on raw memmap archives")
+    parser.add_argument("--no-tensordict-baseline", dest="tensordict_baseline", action="store_false",
+                        help="skip the tensordict-style memmap loader (a baseline) on raw memmap archives")
     parser.add_argument("--reference-seconds", type=float, default=1.0,
                         help="seconds spent measuring each reference point (1.0)")
     parser.add_argument("--device", default="cpu",
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         workers=args.workers, batch_size=args.batch_size, epochs=args.epochs, warmup=args.warmup,
         max_batches=args.max_batches, pipelines=args.pipeline, size=args.size, start_method=args.start_method,
         cold=args.cold, shuffle=args.shuffle, loader=args.loader, references=args.references,
-        seed_tutorial=args.seed_tutorial, source=args.source, decode_size=args.decode_size,
+        tensordict_baseline=args.tensordict_baseline, source=args.source, decode_size=args.decode_size,
         reference_seconds=args.reference_seconds, device=args.device,
     )
     results = run_benchmark(args.paths, config)
@@ -120,4 +120,4 @@ def _writing(path: str) -> Iterator[None]:
     try:
         yield
     except OSError as exc:
-        raise PackedFormatError(path, f"cannot write it: {exc.strerror or exc}", hint="choose another path") from None
+        raise DestinationError(path, f"cannot write it: {exc.strerror or exc}", hint="choose another path") from None

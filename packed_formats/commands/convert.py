@@ -9,7 +9,8 @@ from .. import codecs
 from ..backends import PACKED_FORMATS
 from ..convert import ON_ERROR, ConversionInterrupted, convert
 from ..manifest import MODES
-from ..prepare import RESIZE_MODES, parse_size
+from ..policy import RESIZE_MODES
+from ..prepare import parse_size
 
 HELP = "pack an ImageFolder tree, a flat folder plus label file, or any archive into a zip/hdf5/lmdb/memmap archive"
 EXAMPLES = """examples:

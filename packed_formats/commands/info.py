@@ -9,8 +9,7 @@ from typing import Any, Dict, List
 import numpy as np
 
 from ..backends import open_archive
-from ..space import human_bytes
-from ..verify import disk_usage
+from ..space import disk_usage, human_bytes
 
 HELP = "show an archive's format, mode, sample count, classes with counts, shape or encoding, size and origin"
 EXAMPLES = """examples:
@@ -46,7 +45,7 @@ def describe(path: str) -> Dict[str, Any]:
             "created_at": m.created_at,
             "classes": {name: int(counts[c]) for c, name in enumerate(m.classes)},
         }
-        parts = getattr(reader, "parts", None)
+        parts = getattr(reader.backend, "parts", None)
         if parts:
             facts["parts"] = [{"path": p.path, "format": p.manifest.format, "samples": len(p)} for p in parts]
     return facts

@@ -1,4 +1,4 @@
-"""A reproduction of the seed tutorial's loader ("Batched data loading with tensorclasses").
+"""The tensordict-style memmap baseline: the loader of tensordict's tutorial "Batched data loading with tensorclasses".
 
 The tutorial keeps uint8 images in a tensordict ``MemoryMappedTensor`` inside a
 ``tensorclass``, hands that object to ``DataLoader(data, batch_size=B,
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..errors import PackedFormatError
+from ..errors import FormatMismatchError
 
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
@@ -41,26 +41,24 @@ class TutorialMemmapData(torch.utils.data.Dataset):
         self.path = os.fspath(path)
         for name in ("images.npy", "labels.npy"):
             if not os.path.exists(os.path.join(self.path, name)):
-                raise PackedFormatError(
-                    self.path, f"the seed-tutorial baseline needs a raw memmap archive ({name} is missing)"
+                raise FormatMismatchError(
+                    self.path, f"the tensordict-style baseline needs a raw memmap archive ({name} is missing)"
                 )
-        self._images: Optional[torch.Tensor] = None
-        self._targets: Optional[torch.Tensor] = None
+        self._mapped: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # (images, targets) once mapped
         self._length = int(np.load(os.path.join(self.path, "labels.npy"), mmap_mode="r").shape[0])
 
     def _map(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        if self._images is None:
+        if self._mapped is None:
             images = np.load(os.path.join(self.path, "images.npy"), mmap_mode="r")
             labels = np.load(os.path.join(self.path, "labels.npy"), mmap_mode="r")
             with warnings.catch_warnings():  # read-only maps; nothing writes to them
                 warnings.simplefilter("ignore", UserWarning)
-                self._images = torch.from_numpy(images).permute(0, 3, 1, 2)
-                self._targets = torch.from_numpy(labels)
-        return self._images, self._targets
+                self._mapped = torch.from_numpy(images).permute(0, 3, 1, 2), torch.from_numpy(labels)
+        return self._mapped
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        state["_images"] = state["_targets"] = None  # travel as the path, like MemoryMappedTensor
+        state["_mapped"] = None  # travel as the path, like MemoryMappedTensor
         return state
 
     def __len__(self) -> int:
@@ -78,6 +76,9 @@ class TutorialMemmapData(torch.utils.data.Dataset):
 
 class TutorialNormalize(nn.Module):
     """(x - 255 * mean) / (255 * std) per channel; turns a uint8 batch into float."""
+
+    loc: torch.Tensor  # buffers, registered in __init__
+    scale: torch.Tensor
 
     def __init__(self) -> None:
         super().__init__()
@@ -132,8 +133,8 @@ class TutorialCollate(nn.Module):
         self.device = torch.device(device)
         self.transform = None if transform is None else transform.to(self.device)  # its buffers too
 
-    def __call__(self, batch: Tuple[torch.Tensor, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
-        images, targets = batch
+    def __call__(self, batch: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+        images, targets = batch  # the (images, targets) pair that __getitems__ returned
         if self.device.type == "cuda":
             images, targets = images.pin_memory(), targets.pin_memory()
         images, targets = images.to(self.device), targets.to(self.device)
@@ -161,7 +162,7 @@ def tutorial_loader(
     multiprocessing_context: Optional[str] = None,
     device: str = "cpu",
 ) -> torch.utils.data.DataLoader:
-    """The seed tutorial's DataLoader over a raw memmap archive."""
+    """The tutorial's DataLoader over a raw memmap archive."""
     return torch.utils.data.DataLoader(
         TutorialMemmapData(path),
         batch_size=batch_size,
