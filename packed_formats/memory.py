@@ -14,26 +14,25 @@ Two remedies, one per situation:
   after the main process has dropped every reference to the batch it carried
   (a finalizer on the received storage flips the slot's state back).  A batch
   the user keeps is never overwritten: the worker then takes another slot or a
-  fresh buffer.  Inside ``outputs_in(pool.take)``, transforms that produce the
-  float result (``Normalize``, ``ToFloat``) allocate it straight in a slot, so
-  a worker's augmented batch is written once and sent without a copy.
+  fresh buffer.  A worker passes ``pool.take`` to its transform as
+  ``allocate``, so the augmented batch is written once, straight into a slot,
+  and sent without a copy.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import ctypes
+import functools
 import math
 import sys
 import uuid
 import weakref
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
 import torch
 
-from .handles import ProcessLocalHandle
+from .handles import ProcessLocal
 
 HUGE_PAGE = 2 << 20
 MIN_ADVISED_BYTES = 4 * HUGE_PAGE  # below this the saving is small
@@ -147,29 +146,19 @@ def _typed(raw: torch.Tensor, layout: Tuple[int, ...], dtype: torch.dtype, shape
     return tensor.permute(0, 3, 1, 2) if layout != shape else tensor
 
 
-_output_allocator: contextvars.ContextVar = contextvars.ContextVar("packed_formats_output_allocator", default=None)
+# allocate(shape, dtype, memory_format): memory for a result, or None to let the caller allocate
+Allocate = Callable[[Tuple[int, ...], torch.dtype, torch.memory_format], Optional[torch.Tensor]]
 
 
-@contextlib.contextmanager
-def outputs_in(allocate: Optional[Callable[..., Optional[torch.Tensor]]]) -> Iterator[None]:
-    """Within this block, ``empty_output`` first asks ``allocate(shape, dtype, memory_format)``
-    (a worker's ``SlotPool.take``) for the memory of a transform's result."""
-    token = _output_allocator.set(allocate)
-    try:
-        yield
-    finally:
-        _output_allocator.reset(token)
-
-
-def empty_output(
+def output_buffer(
     shape: Sequence[int],
     dtype: torch.dtype,
     device: torch.device = torch.device("cpu"),
     memory_format: torch.memory_format = torch.contiguous_format,
+    allocate: Optional[Allocate] = None,
 ) -> torch.Tensor:
-    """Memory for a transform's float result: where ``outputs_in`` says (so that a worker's
-    batch is born in the shared slot it is sent in), else ``empty``."""
-    allocate = _output_allocator.get()
+    """Memory for a transform's result: from ``allocate`` on the CPU when it gives some
+    (a worker's ``SlotPool.take``, a process's ``ReusedBuffers.take``), else ``empty``."""
     if allocate is not None and torch.device(device).type == "cpu":
         tensor = allocate(tuple(shape), dtype, memory_format)
         if tensor is not None:
@@ -183,7 +172,8 @@ def storage_lifetime_is_tracked() -> bool:
     Python object per storage).  Pooling relies on it and is off where it does not hold."""
     global _LIFETIME_TRACKED
     if _LIFETIME_TRACKED is None:
-        tensor, fired = torch.empty(4), []
+        tensor = torch.empty(4)
+        fired: List[bool] = []
         weakref.finalize(tensor.untyped_storage(), fired.append, True)
         view = tensor[1:]
         del tensor
@@ -226,7 +216,24 @@ class _Pooled:
         return _claim, (self.tensor, self.token, self.worker, self.slot)
 
 
-class SlotPool(ProcessLocalHandle):
+# a batch as a worker hands it back: the tensor, or the tensor wrapped so that its slot is freed once received
+SentBatch = Union[torch.Tensor, _Pooled]
+
+
+def shared_storage(nbytes: int) -> torch.UntypedStorage:
+    """``nbytes`` of fresh shared memory as a CPU storage, mapped by whichever process unpickles it.
+
+    torch has no public call for this: ``Tensor.share_memory_()`` allocates
+    ordinary memory first and then copies it into a new shared segment, an
+    extra buffer and copy per slot.  The private ``UntypedStorage._new_shared``
+    makes the shared segment directly, under the current sharing strategy
+    (file descriptor or file system), as torch's own DataLoader collation does;
+    this is the one place that calls it.
+    """
+    return torch.UntypedStorage._new_shared(nbytes)
+
+
+class SlotPool:
     """Shared-memory batch buffers that each DataLoader worker reuses.
 
     Create it in the main process with the number of workers; workers get it
@@ -245,22 +252,10 @@ class SlotPool(ProcessLocalHandle):
         self.token, self.min_bytes = uuid.uuid4().hex, min_bytes
         self.states = torch.zeros((max(1, workers), slots), dtype=torch.uint8).share_memory_()
         self.enabled = storage_lifetime_is_tracked()
+        # this process's buffers: made on first use, never inherited through fork nor pickled
+        self._buffers = ProcessLocal(functools.partial(_Buffers, slots))
         _POOLS[self.token] = self.states
         weakref.finalize(self, _forget, self.token)
-
-    def __getstate__(self):
-        return self._drop_handle_state(self.__dict__.copy())
-
-    # this process's buffers are its "handle": made on first use, never inherited through fork
-    def _handle_key(self) -> Tuple[str, str]:
-        return ("slot-pool", self.token)
-
-    def _open_handle(self) -> "_Buffers":
-        return _Buffers(self.states.shape[1])
-
-    @staticmethod
-    def _close_handle(buffers: "_Buffers") -> None:
-        buffers.storages[:] = [None] * len(buffers.storages)
 
     def _worker(self) -> Optional[int]:
         info = torch.utils.data.get_worker_info()
@@ -282,27 +277,26 @@ class SlotPool(ProcessLocalHandle):
         worker = self._worker()
         if worker is None or nbytes < self.min_bytes:
             return None
-        buffers = self._handle()
+        buffers = self._buffers.get()
         free = [int(s) for s in np.flatnonzero(self.states[worker].numpy() == FREE) if s not in buffers.reserved]
         if not free:
             return None  # the main process holds every slot: an ordinary batch this time
-        fits = [s for s in free if buffers.storages[s] is not None and buffers.storages[s].nbytes() >= nbytes]
+        fits = [s for s in free if buffers.nbytes(s) >= nbytes]
         index = fits[0] if fits else free[0]
         if not fits:
-            buffers.storages[index] = None  # let a too-small buffer go before making its successor
-            buffers.storages[index] = torch.UntypedStorage._new_shared(nbytes)
+            buffers.renew(index, nbytes)
         buffers.reserved.add(index)
-        raw = torch.empty(0, dtype=torch.uint8).set_(buffers.storages[index], 0, (nbytes,), (1,))
+        raw = torch.empty(0, dtype=torch.uint8).set_(buffers.storage(index), 0, (nbytes,), (1,))
         return _typed(raw, layout, dtype, shape)
 
     def _slot_of(self, tensor: torch.Tensor) -> Optional[int]:
-        pointer, buffers = tensor.untyped_storage().data_ptr(), self._handle()
+        pointer, buffers = tensor.untyped_storage().data_ptr(), self._buffers.get()
         for index in buffers.reserved:
-            if buffers.storages[index].data_ptr() == pointer:
+            if buffers.storage(index).data_ptr() == pointer:
                 return index
         return None
 
-    def send(self, tensor: torch.Tensor) -> Union[torch.Tensor, "_Pooled"]:
+    def send(self, tensor: torch.Tensor) -> SentBatch:
         """What a worker returns for ``tensor`` (a batch it will not touch again)."""
         worker = self._worker()
         if worker is None or tensor.device.type != "cpu":
@@ -310,11 +304,12 @@ class SlotPool(ProcessLocalHandle):
         index = self._slot_of(tensor)
         if index is None:
             pooled = self._copy_into_slot(tensor)
-            if pooled is None:
+            index = None if pooled is None else self._slot_of(pooled)
+            if pooled is None or index is None:
                 return tensor
-            tensor, index = pooled, self._slot_of(pooled)
+            tensor = pooled
         self.states[worker, index] = SENT
-        self._handle().reserved.discard(index)
+        self._buffers.get().reserved.discard(index)
         return _Pooled(tensor, self.token, worker, index)
 
     def _copy_into_slot(self, tensor: torch.Tensor) -> Optional[torch.Tensor]:
@@ -330,7 +325,7 @@ class SlotPool(ProcessLocalHandle):
         something other than the main process might still hold them."""
         if self._worker() is None:
             return
-        buffers = self._handle()
+        buffers = self._buffers.get()
         for index in buffers.reserved:
             buffers.storages[index] = None
         buffers.reserved.clear()
@@ -341,7 +336,24 @@ class _Buffers:
 
     def __init__(self, slots: int) -> None:
         self.storages: List[Optional[torch.UntypedStorage]] = [None] * slots
-        self.reserved: set = set()
+        self.reserved: Set[int] = set()
+
+    def nbytes(self, slot: int) -> int:
+        """The size of the slot's buffer (0 before it has one)."""
+        storage = self.storages[slot]
+        return 0 if storage is None else storage.nbytes()
+
+    def storage(self, slot: int) -> torch.UntypedStorage:
+        """The slot's buffer; LookupError before it has one."""
+        storage = self.storages[slot]
+        if storage is None:
+            raise LookupError(f"slot {slot} has no buffer")
+        return storage
+
+    def renew(self, slot: int, nbytes: int) -> None:
+        """Give the slot a new ``nbytes`` buffer, letting the old one go first."""
+        self.storages[slot] = None
+        self.storages[slot] = shared_storage(nbytes)
 
 
 def memory_format_of(batch: torch.Tensor) -> torch.memory_format:

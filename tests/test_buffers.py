@@ -21,6 +21,8 @@ from packed_formats.memory import FREE, SENT, SlotPool
 from .conftest import digest, sample_lookup
 
 START_METHODS = [m for m in ("fork", "spawn", "forkserver") if m in multiprocessing.get_all_start_methods()]
+# spawn and forkserver start a fresh interpreter per worker: the quick tier keeps fork only
+START_METHOD_PARAMS = [pytest.param(m, marks=pytest.mark.slow) if m != "fork" else m for m in START_METHODS]
 
 
 class _Info:
@@ -121,8 +123,7 @@ def test_float_results_are_born_in_a_slot_and_sent_without_a_copy(as_worker, tra
     pool = SlotPool(1, slots=2, min_bytes=0)
     batch = torch.randint(0, 256, (2, 5, 6, 3), dtype=torch.uint8).permute(0, 3, 1, 2)
     expected = transform(batch)
-    with memory.outputs_in(pool.take):
-        out = transform(batch)
+    out = transform(batch, allocate=pool.take)
     assert torch.equal(out, expected) and out.is_contiguous(memory_format=torch.channels_last)
     sent = pool.send(out)
     assert sent.tensor is out and pool.states[0].tolist().count(SENT) == 1
@@ -148,7 +149,7 @@ def test_kept_batches_stay_intact_while_workers_reuse_slots(uniform):
     check_kept_batches(uniform, "fork" if "fork" in START_METHODS else None)
 
 
-@pytest.mark.parametrize("start_method", START_METHODS)
+@pytest.mark.parametrize("start_method", START_METHOD_PARAMS)
 @pytest.mark.parametrize("kind", [("memmap", "raw"), ("zip", "encoded")], ids="-".join)
 def test_kept_batches_stay_intact_under_every_start_method(uniform_archives, kind, start_method):
     check_kept_batches(uniform_archives[kind], start_method)
@@ -173,7 +174,7 @@ def check_kept_batches(path, start_method):
     assert int((pool.states == SENT).sum()) == 0  # dropped batches free their slots
 
 
-@pytest.mark.parametrize("start_method", START_METHODS)
+@pytest.mark.parametrize("start_method", START_METHOD_PARAMS)
 def test_pooled_float_batches_equal_the_in_process_ones(uniform_archives, start_method):
     path = uniform_archives[("memmap", "raw")]
     options = dict(batch_size=5, transform=T.train(16), seed=3)
@@ -186,7 +187,9 @@ def test_pooled_float_batches_equal_the_in_process_ones(uniform_archives, start_
         assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
-@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "fresh-workers"])
+@pytest.mark.parametrize(
+    "persistent", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["persistent", "fresh-workers"]
+)
 def test_leaving_epochs_early_leaves_no_slot_held(uniform, persistent):
     loader = pooled_loader(uniform, batch_size=2, num_workers=2, persistent_workers=persistent)
     for _ in range(3):
@@ -199,6 +202,7 @@ def test_leaving_epochs_early_leaves_no_slot_held(uniform, persistent):
     assert int((loader.batch_reader.pool.states == SENT).sum()) == 0
 
 
+@pytest.mark.slow
 def test_pooling_works_under_the_file_system_sharing_strategy(uniform_archives, tmp_path):
     # HPC users switch to "file_system" when workers run out of file descriptors
     script = tmp_path / "probe.py"
@@ -246,7 +250,7 @@ def test_in_process_batches_the_caller_keeps_are_never_overwritten(uniform):
     check_kept_batches_without_pool(uniform, num_workers=0)
 
 
-@pytest.mark.parametrize("start_method", START_METHODS)
+@pytest.mark.parametrize("start_method", START_METHOD_PARAMS)
 def test_a_transform_returning_a_view_of_the_read_buffer_keeps_its_batches(uniform_archives, start_method):
     """CenterCrop gives a view of the buffer a worker read into: that buffer must not be read into again
     before the batch has left the worker (the DataLoader pickles it later, in another thread)."""

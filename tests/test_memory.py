@@ -1,4 +1,4 @@
-"""Copy-on-read: forked workers that touch the whole index must not copy it (RELIABILITY M4)."""
+"""Copy-on-read: forked workers that touch the whole index must not copy it."""
 
 from __future__ import annotations
 
@@ -65,6 +65,7 @@ def growth_in_forked_child(dataset, use_list: bool) -> float:
     return growth
 
 
+@pytest.mark.slow
 def test_forked_worker_touching_a_2m_index_stays_small(huge_index_archive):
     dataset = pf.PackedDataset(huge_index_archive)
     assert len(dataset) == N and dataset.key(N - 1) == f"class_999/img_{N - 1:08d}.jpg"
@@ -73,6 +74,7 @@ def test_forked_worker_touching_a_2m_index_stays_small(huge_index_archive):
     assert growth < LIMIT_MIB, json.dumps({"private_dirty_growth_mib": growth})
 
 
+@pytest.mark.slow
 def test_the_measurement_sees_copy_on_read_of_python_lists(huge_index_archive):
     """Control: the same scan over Python lists built before the fork does copy pages."""
     dataset = pf.PackedDataset(huge_index_archive)

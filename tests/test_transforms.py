@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from packed_formats import memory
 from packed_formats import transforms as T
 
 
@@ -213,10 +214,10 @@ def one_by_one(transforms, batch, generator):
 
 
 def forbid_forward(monkeypatch, *classes):
-    """Make ``forward`` of ``classes`` fail, so a test sees whether Compose still runs them itself."""
+    """Make ``forward`` of ``classes`` fail, so a test sees whether the fused op still runs them itself."""
 
     def refuse(self, *args, **kwargs):
-        raise AssertionError(f"{type(self).__name__}.forward ran: Compose did not fuse it")
+        raise AssertionError(f"{type(self).__name__}.forward ran: CropFlipNormalize did not fuse it")
 
     for cls in classes:
         monkeypatch.setattr(cls, "forward", refuse)
@@ -230,16 +231,19 @@ def test_fused_crop_flip_normalize_equals_the_modules_one_by_one(monkeypatch, la
     batch = torch.randint(0, 256, (24, 3, 40, 56), generator=gen(), dtype=torch.uint8)
     if layout == "channels_last":  # as make_loader hands batches over: a view of an NHWC buffer
         batch = batch.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
-    transforms = [T.RandomResizedCrop(size)] + [T.RandomHorizontalFlip()] * flip
-    transforms.append(T.Normalize() if tail == "normalize" else T.ToFloat())
-    expected = one_by_one(transforms, batch, gen(4))
+    fused = T.CropFlipNormalize(
+        T.RandomResizedCrop(size), T.RandomHorizontalFlip() if flip else None,
+        T.Normalize() if tail == "normalize" else T.ToFloat(),
+    )
+    assert len(fused.transforms) == 2 + flip
+    expected = one_by_one(fused.transforms, batch, gen(4))
     forbid_forward(monkeypatch, T.RandomResizedCrop, T.RandomHorizontalFlip, T.Normalize, T.ToFloat)
-    out = T.Compose(transforms)(batch, generator=gen(4))
+    out = fused(batch, generator=gen(4))
     assert torch.equal(out, expected) and out.stride() == expected.stride()
     assert out.is_contiguous(memory_format=torch.channels_last) == (layout == "channels_last")
 
 
-def test_fused_run_inside_a_longer_compose_uses_each_modules_own_generator(monkeypatch):
+def test_fused_op_inside_a_longer_compose_uses_each_modules_own_generator(monkeypatch):
     batch = torch.randint(0, 256, (16, 3, 48, 48), generator=gen(), dtype=torch.uint8)
     transforms = [
         T.CenterCrop(40),
@@ -252,7 +256,8 @@ def test_fused_run_inside_a_longer_compose_uses_each_modules_own_generator(monke
     # the same modules again, their generators fresh
     transforms[1].generator, transforms[2].generator = gen(1), gen(2)
     forbid_forward(monkeypatch, T.RandomHorizontalFlip)
-    assert torch.equal(T.Compose(transforms)(batch), expected)
+    composed = T.Compose([transforms[0], T.CropFlipNormalize(*transforms[1:4]), transforms[4]])
+    assert torch.equal(composed(batch), expected)
 
 
 def test_train_preset_fuses_on_cpu_uint8_batches(monkeypatch):
@@ -268,6 +273,94 @@ def test_float_batches_take_the_modules_one_by_one():
     assert torch.equal(train(batch, generator=gen(3)), one_by_one(train.transforms, batch, gen(3)))
 
 
-def test_fused_compose_reports_a_channel_mismatch_like_normalize():
+def test_fused_op_reports_a_channel_mismatch_like_normalize():
     with pytest.raises(ValueError, match="batch has 4 channels"):
         T.train(8)(torch.zeros(2, 4, 16, 16, dtype=torch.uint8), generator=gen())
+
+
+def test_fused_op_takes_only_its_own_parts():
+    with pytest.raises(TypeError, match="RandomResizedCrop"):
+        T.CropFlipNormalize(T.RandomCrop(8), None, T.Normalize())
+
+
+def test_compose_runs_each_op_itself():
+    calls = []
+
+    class Spy(T.BatchTransform):
+        def __init__(self, op):
+            super().__init__()
+            self.op = op
+
+        def forward(self, batch, generator=None, allocate=None):
+            calls.append(type(self.op).__name__)
+            return self.op(batch, generator=generator, allocate=allocate)
+
+    batch = torch.randint(0, 256, (4, 3, 20, 20), generator=gen(), dtype=torch.uint8)
+    ops = [T.RandomResizedCrop(8), T.RandomHorizontalFlip(), T.Normalize()]
+    out = T.Compose([Spy(op) for op in ops])(batch, generator=gen(1))
+    assert calls == ["RandomResizedCrop", "RandomHorizontalFlip", "Normalize"]
+    assert torch.equal(out, T.train(8)(batch, generator=gen(1)))
+
+
+# ---- allocate: where an op puts its result ----------------------------------------------------------
+
+
+class Allocator:
+    """An ``allocate`` that records what it hands out (None: it declines every request)."""
+
+    def __init__(self, decline=False):
+        self.given, self.decline, self.buffers = [], decline, memory.ReusedBuffers()
+
+    def __call__(self, shape, dtype, memory_format):
+        if self.decline:
+            self.given.append(None)
+            return None
+        self.given.append(self.buffers.take(shape, dtype, memory_format))
+        return self.given[-1]
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [
+        T.train(8),
+        T.Compose([T.RandomCrop(12), T.RandomHorizontalFlip(), T.Normalize()]),
+        T.Compose([T.RandomResizedCrop(8), T.ToFloat()]),
+        T.RandomCrop(8),
+        T.RandomResizedCrop(8),
+        T.RandomHorizontalFlip(),
+        T.Normalize(),
+        T.ToFloat(),
+    ],
+    ids=["train", "compose_normalize", "compose_to_float", "crop", "resized_crop", "flip", "normalize", "to_float"],
+)
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_the_result_is_placed_where_allocate_says_and_only_the_result(transform, layout):
+    batch = torch.randint(0, 256, (4, 3, 16, 16), generator=gen(), dtype=torch.uint8)
+    if layout == "channels_last":
+        batch = batch.contiguous(memory_format=torch.channels_last)
+    expected = transform(batch, generator=gen(1))
+    allocate = Allocator()
+    out = transform(batch, generator=gen(1), allocate=allocate)
+    assert len(allocate.given) == 1 and out.data_ptr() == allocate.given[0].data_ptr()
+    assert torch.equal(out, expected) and out.stride() == expected.stride()
+    declined = Allocator(decline=True)
+    assert torch.equal(transform(batch, generator=gen(1), allocate=declined), expected) and declined.given == [None]
+
+
+def test_views_and_kernel_results_ignore_allocate():
+    batch = position_batch()
+    allocate = Allocator()
+    assert T.CenterCrop(4)(batch, allocate=allocate).untyped_storage().data_ptr() == batch.data_ptr()
+    T.Resize(10)(batch, allocate=allocate)
+    assert allocate.given == []
+
+
+def test_a_batch_transform_without_allocate_still_runs_last_in_a_compose():
+    class Doubled(T.BatchTransform):
+        def forward(self, batch, generator=None):
+            return batch * 2
+
+    batch = position_batch()
+    out = T.Compose([T.CenterCrop(4), Doubled()])(batch, generator=gen(), allocate=Allocator())
+    assert torch.equal(out, T.CenterCrop(4)(batch) * 2)
+    assert torch.equal(T.apply_transform(Doubled(), batch, gen(), Allocator()), batch * 2)

@@ -1,0 +1,55 @@
+"""Batched image transforms: ``nn.Module``s over whole ``[B,C,H,W]`` batches.
+
+They take uint8 or float batches on any device and keep the batch's memory
+format (channels-last batches stay channels-last).  Crops come before the
+conversion to float, so the float work is done on the output size only.
+Random parameters are drawn per sample on the CPU, from the ``generator``
+passed to ``forward`` (or given to the constructor), so a seed gives the same
+crops and flips whether the batch lives on the CPU or a GPU.  A caller that
+has memory for the result (a DataLoader worker's shared-memory slot) passes
+``allocate=`` to ``forward``.
+
+``train(size)`` and ``val(size)`` are the usual ImageNet recipes.  The ops
+live in ``ops``, the kernels they call in ``functional``.
+"""
+
+from .functional import UINT8_TO_UNIT, gathered_crops, resized_crops
+from .ops import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    BatchTransform,
+    CenterCrop,
+    Compose,
+    CropFlipNormalize,
+    Normalize,
+    RandomCrop,
+    RandomHorizontalFlip,
+    RandomResizedCrop,
+    Resize,
+    Size,
+    ToFloat,
+    apply_transform,
+)
+from .presets import train, val
+
+__all__ = [
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "UINT8_TO_UNIT",
+    "BatchTransform",
+    "CenterCrop",
+    "Compose",
+    "CropFlipNormalize",
+    "Normalize",
+    "RandomCrop",
+    "RandomHorizontalFlip",
+    "RandomResizedCrop",
+    "Resize",
+    "Size",
+    "ToFloat",
+    "apply_transform",
+    "gathered_crops",
+    "resized_crops",
+    "train",
+    "val",
+]

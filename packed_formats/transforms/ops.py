@@ -1,0 +1,377 @@
+"""The batch transforms: ``nn.Module``s that draw per-sample parameters and call the kernels.
+
+Every op is called as ``op(batch, generator=None, allocate=None)`` on a
+``[B,C,H,W]`` batch.  ``generator`` is the CPU generator random parameters are
+drawn from (else the one given to the constructor).  ``allocate(shape, dtype,
+memory_format)``, when given, is asked first for the memory of a CPU result
+the op allocates, such as a DataLoader worker's shared-memory slot; it may
+answer None.  Ops whose result is a view of their input (``CenterCrop``) or
+made by a torch kernel (``Resize``) have nothing to place and ignore it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Callable, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..memory import Allocate, memory_format_of
+from . import functional as F
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+Size = Union[int, Tuple[int, int]]
+
+
+def _pair(size: Size) -> Tuple[int, int]:
+    if isinstance(size, int):
+        size = (size, size)
+    h, w = (int(s) for s in size)
+    if h <= 0 or w <= 0:
+        raise ValueError(f"size must be positive, got {size}")
+    return h, w
+
+
+def _check_batch(batch: torch.Tensor) -> None:
+    if not isinstance(batch, torch.Tensor) or batch.dim() != 4:
+        shape = tuple(batch.shape) if isinstance(batch, torch.Tensor) else type(batch).__name__
+        raise ValueError(f"expected a [B,C,H,W] tensor batch, got {shape}")
+
+
+def _check_fits(transform: nn.Module, h: int, w: int, height: int, width: int) -> None:
+    if h > height or w > width:
+        raise ValueError(f"{type(transform).__name__} of {h}x{w} does not fit images of {height}x{width}")
+
+
+class BatchTransform(nn.Module):
+    """Base class: ``forward(batch, generator=None, allocate=None)`` on a ``[B,C,H,W]`` batch.
+
+    Args:
+        generator: CPU ``torch.Generator`` used when ``forward`` gets none.
+    """
+
+    def __init__(self, generator: Optional[torch.Generator] = None) -> None:
+        super().__init__()
+        self.generator = generator
+
+    def _rng(self, generator: Optional[torch.Generator]) -> Optional[torch.Generator]:
+        return generator if generator is not None else self.generator
+
+    def forward(
+        self, batch: torch.Tensor, generator: Optional[torch.Generator] = None, allocate: Optional[Allocate] = None
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def apply_transform(
+    transform: Callable, batch: torch.Tensor, generator: Optional[torch.Generator] = None,
+    allocate: Optional[Allocate] = None,
+) -> torch.Tensor:
+    """``transform(batch)``, passing ``generator`` and ``allocate`` to a ``BatchTransform``
+    (``allocate`` only where its ``forward`` takes it)."""
+    if not isinstance(transform, BatchTransform):
+        return transform(batch)
+    if allocate is None or not _takes_allocate(transform):
+        return transform(batch, generator=generator)
+    return transform(batch, generator=generator, allocate=allocate)
+
+
+def _takes_allocate(transform: BatchTransform) -> bool:
+    """Whether ``transform.forward`` accepts ``allocate`` (a subclass may define only ``batch, generator``)."""
+    parameters = inspect.signature(transform.forward).parameters.values()
+    return any(p.name == "allocate" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+class Compose(BatchTransform):
+    """Apply transforms in order; batch transforms share one generator.
+
+    ``allocate`` goes to the last transform, the one that makes the result.
+    """
+
+    def __init__(self, transforms: Sequence[Callable], generator: Optional[torch.Generator] = None) -> None:
+        super().__init__(generator)
+        self.transforms: List[Callable] = list(transforms)
+        for i, t in enumerate(self.transforms):
+            if isinstance(t, nn.Module):
+                self.add_module(str(i), t)
+
+    def forward(
+        self, batch: torch.Tensor, generator: Optional[torch.Generator] = None, allocate: Optional[Allocate] = None
+    ) -> torch.Tensor:
+        generator = self._rng(generator)
+        last = len(self.transforms) - 1
+        for i, t in enumerate(self.transforms):
+            batch = apply_transform(t, batch, generator, allocate if i == last else None)
+        return batch
+
+    def __repr__(self) -> str:
+        inner = ", ".join(repr(t) for t in self.transforms)
+        return f"{type(self).__name__}([{inner}])"
+
+
+class CenterCrop(BatchTransform):
+    """The central ``size`` window of every image (a view, no copy)."""
+
+    def __init__(self, size: Size) -> None:
+        super().__init__()
+        self.size = _pair(size)
+
+    def forward(
+        self, batch: torch.Tensor, generator: Optional[torch.Generator] = None, allocate: Optional[Allocate] = None
+    ) -> torch.Tensor:
+        _check_batch(batch)
+        (h, w), (height, width) = self.size, batch.shape[-2:]
+        _check_fits(self, h, w, height, width)
+        top, left = (height - h) // 2, (width - w) // 2
+        return batch[:, :, top : top + h, left : left + w]
+
+
+class RandomCrop(BatchTransform):
+    """A ``size`` window at a random position, drawn independently per sample."""
+
+    def __init__(self, size: Size, generator: Optional[torch.Generator] = None) -> None:
+        super().__init__(generator)
+        self.size = _pair(size)
+
+    def get_params(
+        self, batch_size: int, height: int, width: int, generator: Optional[torch.Generator] = None
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(tops, lefts): int64 [B] crop offsets, as forward would draw them."""
+        h, w = self.size
+        _check_fits(self, h, w, height, width)
+        tops = torch.randint(0, height - h + 1, (batch_size,), generator=generator)
+        lefts = torch.randint(0, width - w + 1, (batch_size,), generator=generator)
+        return tops, lefts
+
+    def forward(
+        self, batch: torch.Tensor, generator: Optional[torch.Generator] = None, allocate: Optional[Allocate] = None
+    ) -> torch.Tensor:
+        _check_batch(batch)
+        b, _, height, width = batch.shape
+        tops, lefts = self.get_params(b, height, width, generator=self._rng(generator))
+        return F.crops(batch, tops, lefts, self.size, allocate)
+
+
+class RandomResizedCrop(BatchTransform):
+    """A random area/aspect crop per sample, resized (bilinear) to one ``size``.
+
+    Parameters follow torchvision: ``scale`` is the crop's share of the image
+    area, ``ratio`` its width/height range; after 10 failed draws a sample gets
+    the central crop of clamped aspect.  uint8 batches stay uint8.
+    """
+
+    def __init__(
+        self,
+        size: Size,
+        scale: Tuple[float, float] = (0.08, 1.0),
+        ratio: Tuple[float, float] = (3 / 4, 4 / 3),
+        antialias: bool = True,
+        generator: Optional[torch.Generator] = None,
+    ) -> None:
+        super().__init__(generator)
+        self.size = _pair(size)
+        self.scale = (float(scale[0]), float(scale[1]))
+        self.ratio = (float(ratio[0]), float(ratio[1]))
+        if not (0 < self.scale[0] <= self.scale[1] and 0 < self.ratio[0] <= self.ratio[1]):
+            raise ValueError(f"need 0 < scale[0] <= scale[1] and 0 < ratio[0] <= ratio[1], got {scale}, {ratio}")
+        self.antialias = antialias
+
+    def get_params(
+        self, batch_size: int, height: int, width: int, generator: Optional[torch.Generator] = None
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tops, lefts, heights, widths): int64 [B] crop boxes, as forward would draw them."""
+        tries = 10
+        area = height * width * torch.empty(batch_size, tries).uniform_(*self.scale, generator=generator)
+        log_ratio = torch.empty(batch_size, tries).uniform_(
+            math.log(self.ratio[0]), math.log(self.ratio[1]), generator=generator
+        )
+        # the arithmetic in numpy: on tensors this small, torch's per-op overhead dominates
+        areas, aspects = area.numpy(), np.exp(log_ratio.numpy())
+        w = torch.from_numpy(np.sqrt(areas * aspects).round().astype(np.int64))
+        h = torch.from_numpy(np.sqrt(areas / aspects).round().astype(np.int64))
+        ok = (w > 0) & (w <= width) & (h > 0) & (h <= height)
+        first = ok.int().argmax(dim=1, keepdim=True)
+        h, w = h.gather(1, first).squeeze(1), w.gather(1, first).squeeze(1)
+        fallback_h, fallback_w = self._fallback(height, width)
+        found = ok.any(dim=1)
+        h = torch.where(found, h, torch.full_like(h, fallback_h))
+        w = torch.where(found, w, torch.full_like(w, fallback_w))
+        u = torch.rand(2, batch_size, generator=generator)
+        tops = torch.where(found, (u[0] * (height - h + 1)).long().clamp_(max=height - h), (height - h) // 2)
+        lefts = torch.where(found, (u[1] * (width - w + 1)).long().clamp_(max=width - w), (width - w) // 2)
+        return tops, lefts, h, w
+
+    def _fallback(self, height: int, width: int) -> Tuple[int, int]:
+        in_ratio = width / height
+        if in_ratio < self.ratio[0]:
+            return min(height, int(round(width / self.ratio[0]))), width
+        if in_ratio > self.ratio[1]:
+            return height, min(width, int(round(height * self.ratio[1])))
+        return height, width
+
+    def forward(
+        self, batch: torch.Tensor, generator: Optional[torch.Generator] = None, allocate: Optional[Allocate] = None
+    ) -> torch.Tensor:
+        _check_batch(batch)
+        b, _, height, width = batch.shape
+        boxes = self.get_params(b, height, width, generator=self._rng(generator))
+        if batch.device.type != "cpu":
+            return F.resized_crops(batch, boxes, self.size, self.antialias)
+        return F.crop_and_resize(batch, boxes, self.size, self.antialias, allocate)
+
+
+class RandomHorizontalFlip(BatchTransform):
+    """Mirror each image left-right with probability ``p``, independently per sample."""
+
+    def __init__(self, p: float = 0.5, generator: Optional[torch.Generator] = None) -> None:
+        super().__init__(generator)
+        self.p = float(p)
+
+    def get_params(self, batch_size: int, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        """bool [B]: which samples forward would flip."""
+        return torch.rand(batch_size, generator=generator) < self.p
+
+    def forward(
+        self, batch: torch.Tensor, generator: Optional[torch.Generator] = None, allocate: Optional[Allocate] = None
+    ) -> torch.Tensor:
+        _check_batch(batch)
+        return F.flip_samples(batch, self.get_params(batch.shape[0], self._rng(generator)), allocate)
+
+
+class Resize(BatchTransform):
+    """Bilinear resize of the whole batch: shorter side to ``size`` (int) or exactly (h, w)."""
+
+    def __init__(self, size: Size, antialias: bool = True) -> None:
+        super().__init__()
+        self.size = size if isinstance(size, int) else _pair(size)
+        self.antialias = antialias
+
+    def forward(
+        self, batch: torch.Tensor, generator: Optional[torch.Generator] = None, allocate: Optional[Allocate] = None
+    ) -> torch.Tensor:
+        _check_batch(batch)
+        height, width = batch.shape[-2:]
+        if isinstance(self.size, int):
+            short = min(height, width)
+            h, w = round(height * self.size / short), round(width * self.size / short)
+        else:
+            h, w = self.size
+        return F.resize(batch, h, w, self.antialias)
+
+
+class ToFloat(BatchTransform):
+    """uint8 [0, 255] -> float [0, 1]; a float batch is only cast to ``dtype``."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(
+        self, batch: torch.Tensor, generator: Optional[torch.Generator] = None, allocate: Optional[Allocate] = None
+    ) -> torch.Tensor:
+        _check_batch(batch)
+        return F.to_float(batch, self.dtype, allocate)
+
+
+class Normalize(BatchTransform):
+    """``(x - mean) / std`` per channel, with mean/std in [0, 1] units (torchvision's).
+
+    A uint8 batch is first scaled to [0, 1]; both steps happen in one pass.
+    """
+
+    def __init__(
+        self, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.mean = tuple(float(m) for m in mean)
+        self.std = tuple(float(s) for s in std)
+        if len(self.mean) != len(self.std) or min(self.std) <= 0:
+            raise ValueError(f"mean and std need one value per channel and std > 0, got {mean}, {std}")
+        self.dtype = dtype
+
+    def check_channels(self, batch: torch.Tensor) -> None:
+        """ValueError unless ``batch`` has one channel per mean."""
+        if batch.shape[1] != len(self.mean):
+            raise ValueError(f"batch has {batch.shape[1]} channels, Normalize has {len(self.mean)}")
+
+    def forward(
+        self, batch: torch.Tensor, generator: Optional[torch.Generator] = None, allocate: Optional[Allocate] = None
+    ) -> torch.Tensor:
+        _check_batch(batch)
+        self.check_channels(batch)
+        return F.normalize(batch, self.mean, self.std, self.dtype, allocate)
+
+    def __repr__(self) -> str:
+        return f"Normalize(mean={self.mean}, std={self.std})"
+
+
+class CropFlipNormalize(Compose):
+    """``RandomResizedCrop``, optionally ``RandomHorizontalFlip``, then ``Normalize`` or ``ToFloat``,
+    in one pass per sample on CPU uint8 batches.
+
+    Bit-identical to the three ops one after the other, which is what it runs
+    on other batches (float, GPU): it draws their parameters from their
+    generators in the same order and does their arithmetic, but resizes,
+    flips, casts and normalises each sample while it is in cache, with no
+    intermediate batches (see ``functional.crop_flip_to_float``).
+
+    Args:
+        crop: the crop (its size, scale, ratio, antialias and generator are used).
+        flip: the flip, or None for none.
+        normalize: a ``Normalize`` or ``ToFloat`` (its dtype, mean and std are used).
+        generator: CPU generator used when ``forward`` gets none.
+    """
+
+    def __init__(
+        self,
+        crop: RandomResizedCrop,
+        flip: Optional[RandomHorizontalFlip],
+        normalize: Union[Normalize, ToFloat],
+        generator: Optional[torch.Generator] = None,
+    ) -> None:
+        if not isinstance(crop, RandomResizedCrop):
+            raise TypeError(f"crop must be a RandomResizedCrop, got {type(crop).__name__}")
+        if flip is not None and not isinstance(flip, RandomHorizontalFlip):
+            raise TypeError(f"flip must be a RandomHorizontalFlip or None, got {type(flip).__name__}")
+        if not isinstance(normalize, (Normalize, ToFloat)):
+            raise TypeError(f"normalize must be a Normalize or ToFloat, got {type(normalize).__name__}")
+        super().__init__([crop] + ([flip] if flip is not None else []) + [normalize], generator)
+        self._parts = (crop, flip, normalize)  # a tuple: registered once, as the items of Compose
+
+    def forward(
+        self, batch: torch.Tensor, generator: Optional[torch.Generator] = None, allocate: Optional[Allocate] = None
+    ) -> torch.Tensor:
+        if not self._fuses(batch):
+            return super().forward(batch, generator, allocate)
+        generator = self._rng(generator)
+        crop, flip, normalize = self._parts
+        b, _, height, width = batch.shape
+        boxes = crop.get_params(b, height, width, generator=crop._rng(generator))
+        flips = flip.get_params(b, flip._rng(generator)) if flip is not None else None
+        scale: F.Scale
+        if isinstance(normalize, Normalize):
+            channels_last = memory_format_of(batch) == torch.channels_last
+            scale, shift = F.normalize_scale_shift(
+                normalize.mean, normalize.std, normalize.dtype, batch.dtype, crop.size[1], channels_last, batch.device
+            )
+        else:
+            scale, shift = F.UINT8_TO_UNIT, None
+        return F.crop_flip_to_float(
+            batch, boxes, flips, crop.size, crop.antialias, normalize.dtype, scale, shift, allocate
+        )
+
+    def _fuses(self, batch: torch.Tensor) -> bool:
+        """Whether ``batch`` takes the fused pass: a CPU uint8 [B,C,H,W] batch (with as many
+        channels as Normalize has means; otherwise the ops one by one say what is wrong)."""
+        if not (isinstance(batch, torch.Tensor) and batch.dim() == 4):
+            return False
+        if batch.dtype != torch.uint8 or batch.device.type != "cpu":
+            return False
+        normalize = self._parts[2]
+        return not isinstance(normalize, Normalize) or batch.shape[1] == len(normalize.mean)
