@@ -7,6 +7,8 @@ cost more than reading a raw sample.
 
 from __future__ import annotations
 
+import numpy as np
+
 try:
     from isal.isal_zlib import crc32 as _crc32
 except ImportError:  # pragma: no cover - isal is a dependency where wheels exist
@@ -18,3 +20,9 @@ KIND = "crc32"
 def crc32(data) -> int:
     """CRC32 of any buffer (bytes, memoryview, contiguous numpy array)."""
     return _crc32(data)
+
+
+def array_crc32(array: "np.ndarray") -> int:
+    """CRC32 of an index array's dtype, shape and data: everything that decides what it reads back as."""
+    header = f"{array.dtype.str}{tuple(array.shape)}".encode()
+    return _crc32(np.ascontiguousarray(array).data, _crc32(header))

@@ -27,22 +27,26 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from . import codecs
-from .backends import PACKED_FORMATS, open_writer
+from .backends import EXTENSIONS, PACKED_FORMATS, open_writer
 from .backends.base import remove_path
 from .backends.sharded import ShardedWriter, existing_parts, part_name
-from .errors import ArchiveExistsError, CorruptSampleError, PackedFormatError
+from .errors import (
+    ArchiveExistsError,
+    ConversionFailedError,
+    CorruptSampleError,
+    DestinationError,
+    InsufficientSpaceError,
+    InvalidSourceError,
+    PackedFormatError,
+)
 from .manifest import MODES
 from .parallel import WorkerDiedError, available_cores, ordered_map
-from .prepare import RESIZE_MODES, Recipe, parse_size
+from .policy import RESIZE_MODES
+from .prepare import Recipe, parse_size
 from .sources import Source, open_source
-from .space import check_free_space, human_bytes
-from .verify import disk_usage
+from .space import check_free_space, disk_usage, human_bytes
 
 ON_ERROR = ("raise", "skip")
-FORMAT_BY_EXTENSION = {
-    ".zip": "zip", ".h5": "hdf5", ".hdf5": "hdf5", ".lmdb": "lmdb", ".mdb": "lmdb",
-    ".memmap": "memmap", ".mmap": "memmap",
-}
 _TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.pf-tmp-(?P<pid>\d+)-[0-9a-f]{8}(-old)?$")
 _SIZED_FILES = 1000  # source files whose sizes are read to estimate a large folder's bytes
 _REENCODED_RATIO = 20  # a re-encoded image is assumed to take at least 1/20 of its pixels' bytes
@@ -176,7 +180,7 @@ def _run(source, dst, format, recipe, workers, shard_size, overwrite, on_error, 
         with output, tqdm(total=len(source), unit="img", desc="converting", disable=quiet, smoothing=0.05) as bar:
             failed = _append_all(results, source, output, on_error, bar)
             if len(output) == 0:
-                raise PackedFormatError(source.path, "no image could be converted", hint="see the errors above")
+                raise InvalidSourceError(source.path, "no image could be converted", hint="see the errors above")
             written = len(output)
     return written, failed, getattr(output, "paths", [])[:-1]
 
@@ -194,7 +198,7 @@ def _append_all(results: Iterator[Any], source: Source, output: Any, on_error: s
                 failed.append(str(value))
                 tqdm.write(f"skipped: {value}", file=sys.stderr)
     except WorkerDiedError as exc:
-        raise PackedFormatError(source.path, str(exc), hint="retry with fewer --workers") from None
+        raise ConversionFailedError(source.path, str(exc), hint="retry with fewer --workers") from None
     return failed
 
 
@@ -221,7 +225,7 @@ def _prepare_sample(context: Tuple[Source, Recipe], i: int) -> Tuple[bool, Any]:
 def _open_output(dst: str, format: str, recipe: Recipe, source: Source, shard_size, overwrite: bool) -> Any:
     options = dict(
         mode=recipe.mode,
-        shape=None if recipe.mode != "raw" else recipe.size + (3,),
+        shape=None if recipe.mode != "raw" else _raw_size(recipe) + (3,),
         classes=source.classes,
         encoding=recipe.encoding,
         quality=recipe.quality,
@@ -229,6 +233,13 @@ def _open_output(dst: str, format: str, recipe: Recipe, source: Source, shard_si
     if shard_size:
         return ShardedWriter(dst, format, int(shard_size), overwrite=overwrite, **options)
     return open_writer(dst, format=format, overwrite=overwrite, **options)
+
+
+def _raw_size(recipe: Recipe) -> Tuple[int, int]:
+    """(height, width) of a raw conversion's samples (_recipe never makes a raw recipe without it)."""
+    if recipe.size is None:
+        raise ValueError("raw mode needs --size (e.g. --size 256 or --size 256x192)")
+    return recipe.size
 
 
 def _recipe(source: Source, mode: str, size, resize_mode: str, encoding: str, quality: int) -> Recipe:
@@ -249,7 +260,7 @@ def _encoding_label(recipe: Recipe) -> str:
 
 def _check_options(dst, format, mode, resize_mode, quality, encoding, on_error, shard_size) -> str:
     if format is None:
-        format = FORMAT_BY_EXTENSION.get(os.path.splitext(dst)[1].lower())
+        format = EXTENSIONS.get(os.path.splitext(dst)[1].lower())
         if format is None:
             raise ValueError(f"give --format ({', '.join(PACKED_FORMATS)}): cannot tell it from {dst!r}")
     checks = [
@@ -273,9 +284,9 @@ def _check_destination(src: str, dst: str, overwrite: bool) -> None:
     """Refuse to write over the source (or a folder holding it), inside it, or over anything without overwrite."""
     real_src, real_dst = os.path.realpath(src), os.path.realpath(dst)
     if real_src == real_dst or real_src.startswith(real_dst.rstrip(os.sep) + os.sep):
-        raise PackedFormatError(dst, "the destination is the source (or contains it)", hint="choose another path")
+        raise DestinationError(dst, "the destination is the source (or contains it)", hint="choose another path")
     if real_dst.startswith(real_src.rstrip(os.sep) + os.sep):
-        raise PackedFormatError(
+        raise DestinationError(
             dst, f"the destination is inside the source {src}: it would be read as part of it",
             hint="write it outside the source folder",
         )
@@ -283,7 +294,7 @@ def _check_destination(src: str, dst: str, overwrite: bool) -> None:
         raise ArchiveExistsError(dst, "already exists", hint="pass --overwrite to replace it")
     parent = os.path.dirname(os.path.abspath(dst))
     if not os.path.isdir(parent):
-        raise PackedFormatError(dst, f"the destination directory {parent} does not exist")
+        raise DestinationError(dst, f"the destination directory {parent} does not exist")
 
 
 def estimated_output_bytes(source: Source, recipe: Recipe) -> int:
@@ -294,11 +305,15 @@ def estimated_output_bytes(source: Source, recipe: Recipe) -> int:
     folder).  Re-encoded: 1/_REENCODED_RATIO of the pixels' bytes.
     """
     if recipe.mode == "raw":
-        h, w = recipe.size
+        h, w = _raw_size(recipe)
         return len(source) * h * w * 3
-    if recipe.size is None and source.raw_shape is None:
+    raw_shape = source.raw_shape
+    if recipe.size is not None:
+        h, w = recipe.size
+    elif raw_shape is not None:
+        h, w = raw_shape[:2]
+    else:
         return _source_bytes(source)
-    h, w = recipe.size or source.raw_shape[:2]
     return len(source) * h * w * 3 // _REENCODED_RATIO
 
 
@@ -317,7 +332,7 @@ def _source_bytes(source: Source) -> int:
     return total * n // len(picks)
 
 
-def _write_error(dst: str, exc: OSError) -> PackedFormatError:
+def _write_error(dst: str, exc: OSError) -> DestinationError:
     """An OSError met while converting (permission denied, disk full...) as an error naming ``dst``."""
     name = None if exc.filename is None else os.fsdecode(exc.filename)
     where = f" ({name})" if name and name != dst and not _TEMP_NAME.match(os.path.basename(name)) else ""
@@ -328,7 +343,10 @@ def _write_error(dst: str, exc: OSError) -> PackedFormatError:
         errno.EPERM: "choose a destination directory you can write to",
         errno.EROFS: "the file system is read-only: choose another destination",
     }
-    return PackedFormatError(dst, f"cannot write the archive: {exc.strerror or exc}{where}", hint=hints.get(exc.errno))
+    hint = None if exc.errno is None else hints.get(exc.errno)
+    full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    error = InsufficientSpaceError if full else DestinationError
+    return error(dst, f"cannot write the archive: {exc.strerror or exc}{where}", hint=hint)
 
 
 def clean_stale_temp_files(dst: "str | os.PathLike[str]") -> List[str]:

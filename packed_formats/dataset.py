@@ -9,10 +9,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from . import codecs
+from . import codecs, policy
 from .backends import open_archive
 from .backends.base import Reader
-from .errors import CorruptSampleError
 
 OUTPUTS = ("tensor", "pil", "numpy")
 
@@ -108,9 +107,9 @@ class PackedDataset(torch.utils.data.Dataset):
                     return Image.fromarray(stored[:, :, 0] if channels == 1 else stored)
                 image = codecs.open_image(stored)
                 return image.convert("L" if channels == 1 else "RGB")
-            pixels = stored if isinstance(stored, np.ndarray) else codecs.decode(stored, channels)
+            pixels = stored if isinstance(stored, np.ndarray) else policy.decode(stored, channels)
         except codecs.DecodeError as exc:
-            raise CorruptSampleError(self.reader.path, str(exc), index=i, key=self.reader.index.key(i)) from None
+            raise self.reader.sample_error(i, str(exc)) from None
         if self.output == "numpy":
             return np.array(pixels, copy=True) if not pixels.flags.writeable else pixels
         return torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1)))

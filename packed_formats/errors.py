@@ -12,17 +12,28 @@ from typing import Optional
 
 
 class PackedFormatError(Exception):
-    """Base class: something is wrong with an archive or how it is used."""
+    """Base class: something is wrong with an archive or how it is used.
+
+    ``PackedFormatError(path, problem, index=, key=, hint=)``; a single argument
+    is taken as a whole message (how torch's DataLoader re-raises a worker's
+    exception in the main process), so the class survives the crossing and
+    ``except pf.CorruptSampleError`` works with ``num_workers > 0`` too.
+    """
 
     def __init__(
         self,
         path: "os.PathLike[str] | str | None",
-        problem: str,
+        problem: Optional[str] = None,
         *,
         index: Optional[int] = None,
         key: Optional[str] = None,
         hint: Optional[str] = None,
     ) -> None:
+        if problem is None:  # one argument: a complete message
+            self.path, self.problem = None, "" if path is None else os.fspath(path)
+            self.index, self.key, self.hint = index, key, hint
+            super().__init__(self.problem)
+            return
         self.path = None if path is None else os.fspath(path)
         self.problem = problem
         self.index = index
@@ -100,3 +111,31 @@ class ArchiveExistsError(PackedFormatError, FileExistsError):
 
 class InvalidSampleError(PackedFormatError, ValueError):
     """A writer was given a sample it cannot store (wrong shape, not an image...)."""
+
+
+class DestinationError(PackedFormatError):
+    """The place an archive (or a report) is to be written cannot take it (missing directory, inside the source...)."""
+
+
+class ArchiveInUseError(PackedFormatError):
+    """The archive is in use in a way that prevents this operation here.
+
+    Its LMDB environment is already open in this process, or another process
+    has held the lock to stage it for longer than the timeout.
+    """
+
+
+class InsufficientSpaceError(DestinationError):
+    """The destination's file system has less free space than what is about to be written there."""
+
+
+class InvalidSourceError(PackedFormatError):
+    """A conversion's source cannot be used as given.
+
+    For example: not a folder, a label file that does not fit the folder's
+    images, or not one image that converts.
+    """
+
+
+class ConversionFailedError(PackedFormatError):
+    """A conversion stopped for a reason outside any one sample (e.g. a worker process was killed)."""

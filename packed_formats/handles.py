@@ -1,17 +1,23 @@
 """The one place that knows about processes.
 
-A reader's open file (HDF5 file, LMDB environment, file descriptor, memory map)
-belongs to the process that opened it.  This module hands out such handles
-lazily, one per (kind, path) per process, shared by every reader of that path
-in the process (LMDB >= 2 refuses a second environment on one path; HDF5
-silently merges a second open of one file anyway).
+Two primitives, both made lazily in each process and never carried across one:
+
+* ``ProcessLocal``: a value of this process only (read buffers, the verified
+  bitmap of a reader, a worker's shared-memory slots).  It is made by a
+  picklable factory on first use, dropped when pickled (spawn, forkserver) and
+  made anew in a forked child.
+* ``SharedHandle``: this process's use of an open resource (HDF5 file, LMDB
+  environment, file descriptor, memory map), one per key per process, shared
+  by every reader of that key in the process (LMDB >= 2 refuses a second
+  environment on one file; HDF5 silently merges a second open of one file
+  anyway).  Keys name the file *and its identity* (device, inode, size,
+  mtime), so an archive replaced in place gets a fresh handle, never the old one.
 
 When a process forks, the child inherits the parent's table.  The first
 request in the child notices that the table's pid is not its own, *discards*
-every inherited handle (closing it where the library requires that: h5py and
-lmdb reuse or reject an inherited handle otherwise) and opens fresh ones.
-Handles never travel through pickle: readers drop them in ``__getstate__``
-and reopen on first use on the other side (spawn, forkserver).
+every inherited handle (``Handle.discard_inherited``: closed where the library
+requires that, since h5py and lmdb reuse or reject an inherited handle
+otherwise) and opens fresh ones.
 """
 
 from __future__ import annotations
@@ -20,11 +26,12 @@ import logging
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Generic, Hashable, Optional, Tuple, TypeVar
 
 log = logging.getLogger("packed_formats")
 
-Key = Tuple[str, str]
+Key = Tuple[Hashable, ...]
+T = TypeVar("T")
 
 
 @dataclass
@@ -133,46 +140,103 @@ def opens_in_this_process() -> int:
         return _own_table().opens
 
 
-class ProcessLocalHandle:
-    """Mixin for readers: ``self._handle()`` is this process's open handle.
+class ProcessLocal(Generic[T]):
+    """A value of this process only, made by ``factory()`` on first use in each process.
 
-    Subclasses define ``_handle_key()``, ``_open_handle()`` and optionally
-    ``_close_handle(h)`` and ``_discard_inherited(h)``.  State that crosses a
-    process boundary is a description (path, index arrays), never a handle.
+    Pickles as its factory (which must be picklable); a forked child that
+    inherits the parent's value makes its own on first ``get()``.
     """
 
-    _held_in_pid: Optional[int] = None
+    def __init__(self, factory: Callable[[], T]) -> None:
+        self._factory = factory
+        self._pid: Optional[int] = None
+        self._value: Optional[T] = None
 
-    def _handle_key(self) -> Key:  # pragma: no cover - abstract
-        raise NotImplementedError
+    def get(self) -> T:
+        """This process's value."""
+        if self._pid != os.getpid():
+            with _lock:  # threads racing to the first use must share one value
+                if self._pid != os.getpid():
+                    self._value, self._pid = self._factory(), os.getpid()
+        return self._value  # type: ignore[return-value]  # set above for this pid
 
-    def _open_handle(self) -> Any:  # pragma: no cover - abstract
-        raise NotImplementedError
+    def made_here(self) -> bool:
+        """Whether this process has made its value already."""
+        return self._pid == os.getpid()
 
-    @staticmethod
-    def _close_handle(handle: Any) -> None:
-        handle.close()
+    def clear(self) -> None:
+        """Forget this process's value (the next ``get()`` makes a new one)."""
+        self._pid, self._value = None, None
 
-    @staticmethod
-    def _discard_inherited(handle: Any) -> None:
-        """Default: forget it.  h5py and lmdb override this to close it."""
+    def __getstate__(self) -> Dict[str, Any]:
+        return {"_factory": self._factory, "_pid": None, "_value": None}
 
-    def _handle(self) -> Any:
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+
+class SharedHandle:
+    """One user's claim on this process's shared handle for ``key``.
+
+    ``get()`` acquires the handle on first use in each process (fresh, forked
+    or unpickled owner) and returns it; ``release()`` gives the use back.  It
+    pickles as its key and callables, never the handle.
+    """
+
+    def __init__(
+        self,
+        key: Key,
+        open: Callable[[], Any],
+        close: Callable[[Any], None],
+        discard: Optional[Callable[[Any], None]] = None,
+    ) -> None:
+        self.key, self._open, self._close, self._discard = key, open, close, discard
+        self._held_in_pid: Optional[int] = None
+
+    def get(self) -> Any:
+        """This process's handle (opened on first use)."""
         pid = os.getpid()
         if self._held_in_pid != pid:
-            with _lock:  # threads racing to a reader's first read must take one use, not one each
+            with _lock:  # threads racing to the first use must take one use, not one each
                 if self._held_in_pid != pid:
-                    # First use in this process (fresh, forked or unpickled reader).
-                    handle = acquire(self._handle_key(), self._open_handle, self._close_handle, self._discard_inherited)
+                    handle = acquire(self.key, self._open, self._close, self._discard)
                     self._held_in_pid = pid
                     return handle
-        return _table.entries[self._handle_key()].handle
+        return _table.entries[self.key].handle
 
-    def _release_handle(self) -> None:
-        if self._held_in_pid == os.getpid():
-            release(self._handle_key())
-        self._held_in_pid = None
+    def held(self) -> bool:
+        """Whether this process holds a use of the handle."""
+        return self._held_in_pid == os.getpid()
 
-    def _drop_handle_state(self, state: Dict[str, Any]) -> Dict[str, Any]:
-        state.pop("_held_in_pid", None)
+    def release(self) -> None:
+        """Give back this process's use (closing the handle when it was the last)."""
+        with _lock:
+            if self._held_in_pid == os.getpid():
+                release(self.key)
+            self._held_in_pid = None
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_held_in_pid"] = None
         return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+
+def borrowed(key: Key, open: Callable[[], Any], close: Callable[[Any], None]) -> "_Borrowed":
+    """A context manager giving this process's handle for ``key`` for one block: the open
+    one if some user holds it, else one opened for the block and closed after it."""
+    return _Borrowed(SharedHandle(key, open, close))
+
+
+class _Borrowed:
+    def __init__(self, claim: SharedHandle) -> None:
+        self.claim = claim
+
+    def __enter__(self) -> Any:
+        return self.claim.get()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.claim.release()
+

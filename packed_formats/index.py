@@ -57,6 +57,8 @@ class SampleIndex:
         )
 
     def nbytes(self, i: int) -> int:
+        if self.offsets is None:
+            raise TypeError("this index stores no offsets, so no sample sizes")
         return int(self.offsets[i + 1] - self.offsets[i])
 
 
@@ -86,7 +88,7 @@ class IndexBuilder:
     """Grows the index while a writer appends samples (amortised numpy growth)."""
 
     def __init__(self) -> None:
-        self._columns = {
+        self._columns: Dict[str, np.ndarray] = {
             "labels": np.empty(1024, dtype=np.int64),
             "crc32": np.empty(1024, dtype=np.uint32),
             "sizes": np.empty(1024, dtype=np.int64),

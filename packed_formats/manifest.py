@@ -8,11 +8,15 @@ import os
 import time
 from typing import Any, Dict, Optional, Sequence, Tuple
 
-from .errors import IncompleteArchiveError, UnsupportedVersionError
+from .checksum import crc32
+from .errors import CorruptArchiveError, IncompleteArchiveError, UnsupportedVersionError
 
 MODES = ("raw", "encoded")
 CHECKSUM = "crc32"
-FORMAT_VERSION = 1  # the newest archive layout this library reads and writes
+# The newest archive layout this library reads and writes.  Version 2 adds the CRC32 of
+# every index array (``index_crc32``) and of the manifest itself (``manifest_crc32``);
+# version 1 archives are still read, their index unchecked.
+FORMAT_VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +27,9 @@ class ArchiveManifest:
     "mixed") for encoded ones.  ``complete`` is written last: an archive whose
     manifest is missing or says ``complete: false`` was never sealed, and
     from_json refuses it, as it refuses a ``format_version`` it does not know.
+    ``index_crc32`` holds (array name, CRC32) of every index array
+    (``checksum.array_crc32``); the stored JSON also carries the CRC32 of the
+    manifest's own content, checked by from_json.
     """
 
     format: str
@@ -37,11 +44,15 @@ class ArchiveManifest:
     created_with: str = ""
     created_at: str = ""
     complete: bool = True
+    index_crc32: Tuple[Tuple[str, int], ...] = ()
 
     def to_json(self) -> str:
         data = dataclasses.asdict(self)
         data["classes"] = list(self.classes)
         data["shape"] = None if self.shape is None else list(self.shape)
+        data["index_crc32"] = dict(self.index_crc32)
+        if self.format_version >= 2:
+            data["manifest_crc32"] = _content_crc32(data)
         return json.dumps(data, indent=1, sort_keys=True)
 
     @classmethod
@@ -57,6 +68,7 @@ class ArchiveManifest:
         if not isinstance(data, dict):
             raise ValueError(f"the manifest is a JSON {type(data).__name__}, not an object")
         _check_version(data, path)  # first: a newer version may add fields this one does not know
+        stored_crc = data.pop("manifest_crc32", None)
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - names
         if unknown:
@@ -66,9 +78,15 @@ class ArchiveManifest:
                 path, "the manifest says complete: false: the archive was never sealed",
                 hint="its writer was killed or failed; re-create it",
             )
+        if data.get("format_version", 1) >= 2 and stored_crc != _content_crc32(data):
+            raise CorruptArchiveError(
+                path, "the manifest is damaged (its content does not match its checksum)",
+                hint="the archive is damaged: re-create it",
+            )
         data["classes"] = tuple(data.get("classes", ()))
         if data.get("shape") is not None:
             data["shape"] = tuple(int(x) for x in data["shape"])
+        data["index_crc32"] = tuple(sorted((str(k), int(v)) for k, v in dict(data.get("index_crc32", {})).items()))
         return cls(**data)
 
     @property
@@ -87,6 +105,7 @@ def new_manifest(
     classes: Sequence[str],
     shape: Optional[Tuple[int, int, int]],
     encoding: Optional[str],
+    index_crc32: Sequence[Tuple[str, int]] = (),
 ) -> ArchiveManifest:
     """A sealed manifest stamped with this library's version.
 
@@ -101,11 +120,17 @@ def new_manifest(
         mode=mode,
         count=count,
         classes=tuple(classes),
-        shape=None if shape is None else tuple(int(x) for x in shape),
+        shape=None if shape is None else (int(shape[0]), int(shape[1]), int(shape[2])),
         encoding=encoding,
         created_with=f"packed_formats {__version__}",
         created_at=_source_date(),
+        index_crc32=tuple(sorted(index_crc32)),
     )
+
+
+def _content_crc32(data: Dict[str, Any]) -> int:
+    """CRC32 of a manifest's fields (all but its own checksum), in their canonical JSON text."""
+    return crc32(json.dumps(data, indent=1, sort_keys=True).encode())
 
 
 def _check_version(data: Dict[str, Any], path: "os.PathLike[str] | str | None") -> None:

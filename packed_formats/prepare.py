@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from typing import Optional, Tuple
 
 import numpy as np
 from PIL import Image
 
-from . import codecs
+from . import codecs, policy
 
-RESIZE_MODES = ("stretch", "shorter-side-center-crop")
 _REDUCING_GAP = 2.0  # shrink cheaply (JPEG draft, integer reduce) only down to twice the target size
 
 
@@ -67,47 +65,7 @@ class Recipe:
                 return codecs.to_array(stored, 3)
             image = Image.fromarray(codecs.to_array(stored, 3))
         else:
-            image = _open_for_size(stored, self.size, self.resize_mode)
+            return policy.decode(stored, 3, self.size, self.resize_mode, reducing_gap=_REDUCING_GAP)
         if self.size is not None:
-            image = resize(image, self.size, self.resize_mode)
+            image = policy.resize(image, self.size, self.resize_mode, reducing_gap=_REDUCING_GAP)
         return codecs.pil_to_array(image, 3)
-
-
-def resize(image: Image.Image, size: Tuple[int, int], resize_mode: str) -> Image.Image:
-    """``image`` at (height, width): stretched, or scaled so the shorter side fits and center-cropped."""
-    height, width = size
-    if image.mode not in ("RGB", "L"):
-        image = image.convert("RGB")
-    if resize_mode == "stretch":
-        box = (0, 0, image.width, image.height)
-    elif resize_mode == "shorter-side-center-crop":
-        scale = max(width / image.width, height / image.height)
-        crop_w, crop_h = width / scale, height / scale
-        left, top = max(0.0, (image.width - crop_w) / 2), max(0.0, (image.height - crop_h) / 2)
-        box = (left, top, min(image.width, left + crop_w), min(image.height, top + crop_h))  # float rounding
-    else:
-        raise ValueError(f"resize mode must be one of {RESIZE_MODES}, got {resize_mode!r}")
-    if image.size == (width, height) and box == (0, 0, width, height):
-        return image
-    return image.resize((width, height), Image.BILINEAR, box=box, reducing_gap=_REDUCING_GAP)
-
-
-def _open_for_size(data: bytes, size: Optional[Tuple[int, int]], resize_mode: str) -> Image.Image:
-    """Decode ``data``; a JPEG is decoded at a reduced scale (draft) when that still covers ``size``."""
-    if size is None:
-        return codecs.open_image(data)
-    return codecs.open_image(data, draft=lambda stored: ("RGB", _decode_size(stored, size, resize_mode)))
-
-
-def _decode_size(source: Tuple[int, int], size: Tuple[int, int], resize_mode: str) -> Tuple[int, int]:
-    """The smallest (width, height) worth decoding to: ``_REDUCING_GAP`` times what the resize keeps.
-
-    Like Pillow's ``thumbnail``: the JPEG decoder's own 1/2, 1/4, 1/8 scaling
-    is used only while a margin of detail remains for the final filter, so
-    large photos decode several times faster at no visible cost.
-    """
-    (w, h), (height, width) = source, size
-    if resize_mode == "stretch":
-        return math.ceil(width * _REDUCING_GAP), math.ceil(height * _REDUCING_GAP)
-    scale = max(width / w, height / h) * _REDUCING_GAP
-    return math.ceil(w * scale), math.ceil(h * scale)

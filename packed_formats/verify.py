@@ -10,7 +10,6 @@ from tqdm.auto import tqdm
 
 from . import codecs
 from .backends import open_archive
-from .backends.sharded import is_shard_index, read_shard_index
 from .errors import CorruptSampleError
 
 
@@ -98,17 +97,3 @@ def _check_sample(reader, i: int, decode: bool) -> Optional[str]:
         return f"does not decode: {exc}"
     return None
 
-
-def disk_usage(path: "str | os.PathLike[str]") -> int:
-    """Bytes used by the archive at ``path``: every file of a directory, every part of a sharded archive."""
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        return sum(
-            os.path.getsize(os.path.join(directory, name)) for directory, _, files in os.walk(path) for name in files
-        )
-    total = os.path.getsize(path)
-    with open(path, "rb") as file:
-        if not is_shard_index(file.read(64)):
-            return total
-    directory = os.path.dirname(os.path.abspath(path))
-    return total + sum(disk_usage(os.path.join(directory, n)) for n in read_shard_index(path)["names"])

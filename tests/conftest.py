@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib
 import os
 
 import numpy as np
@@ -12,6 +13,9 @@ import torch
 import packed_formats as pf
 from packed_formats import codecs
 from packed_formats.synthetic import make_image_folder
+
+if os.environ.get("PF_TEST_EXTRA_FORMAT"):  # a module that registers one more format: the suite runs on it too
+    importlib.import_module(os.environ["PF_TEST_EXTRA_FORMAT"])
 
 RAW_SHAPE = (24, 32, 3)
 CLASSES = ("boxes", "circles", "stripes")

@@ -21,7 +21,7 @@ class Probe(torch.utils.data.Dataset):
         return len(self.dataset)
 
     def _report(self, i, image, label):
-        key = (self.dataset.reader.format_name, os.path.realpath(self.dataset.path))
+        key = self.dataset.reader.handle_key
         held = handles.open_handles().get(key)
         return {
             "index": int(i),
@@ -58,20 +58,19 @@ def handle_identity(reader: pf.Reader) -> tuple:
     Python object ids compare only while the parent's handle object stays alive:
     the caller keeps a reference (a fork copies it into every worker).
     """
-    handle = reader._handle()
-    if reader.format_name == "hdf5":
-        return ("hdf5", handle.file.id.fileno)
-    if reader.format_name == "zip":
-        return ("zip", handle, os.lseek(handle, 0, os.SEEK_CUR))
-    if reader.format_name == "memmap":
-        return ("memmap", id(handle), id(handle.map))
-    return (reader.format_name, id(handle))
+    handle = reader.handle()
+    if hasattr(handle, "file") and hasattr(handle.file, "id"):  # an h5py file
+        return ("hdf5-file", handle.file.id.fileno)
+    if hasattr(handle, "fd"):  # a descriptor: its open file description's offset tells whose it is
+        return ("fd", handle.fd, os.lseek(handle.fd, 0, os.SEEK_CUR))
+    return ("object", id(handle)) + tuple(id(v) for v in vars(handle).values() if v is not None)
 
 
 def mark_parent_handle(reader: pf.Reader) -> tuple:
-    """Mark this process's handle where handle_identity can see it (zip: the file offset); its identity."""
-    if reader.format_name == "zip":
-        os.lseek(reader._handle(), PARENT_MARK, os.SEEK_SET)
+    """Mark this process's handle where handle_identity can see it (a descriptor's offset); its identity."""
+    handle = reader.handle()
+    if hasattr(handle, "fd"):
+        os.lseek(handle.fd, PARENT_MARK, os.SEEK_SET)
     return handle_identity(reader)
 
 
@@ -86,7 +85,7 @@ class Pair(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         images = [self.first[i][0], self.second[i][0]]
-        key = (self.first.reader.format_name, os.path.realpath(self.first.path))
+        key = self.first.reader.handle_key
         return {
             "index": int(i),
             "crcs": [zlib.crc32(image.numpy().tobytes()) for image in images],

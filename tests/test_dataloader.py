@@ -43,7 +43,10 @@ def run_epochs(dataset, epochs=2, **loader_options):
 
 
 CONFIGS = [pytest.param(None, 0, False, id="main-process")] + [
-    pytest.param(method, 2, persistent, id=f"{method}-{'persistent' if persistent else 'fresh'}")
+    pytest.param(
+        method, 2, persistent, id=f"{method}-{'persistent' if persistent else 'fresh'}",
+        marks=[] if method == "fork" else [pytest.mark.slow],  # spawn and forkserver start fresh interpreters
+    )
     for method in START_METHODS
     for persistent in (False, True)
 ]
@@ -56,7 +59,7 @@ def test_every_sample_once_per_epoch_exact_and_read_by_its_own_handle(archives, 
     dataset = pf.PackedDataset(archives[kind])
     expected = expected_crcs(dataset)
     dataset[0]
-    key = (dataset.reader.format_name, os.path.realpath(dataset.path))
+    key = dataset.reader.handle_key
     assert handles.open_handles()[key][0] == os.getpid()
     options = {"num_workers": workers}
     if workers:
@@ -86,7 +89,7 @@ def load_touched_before_fork(path):
     dataset = pf.PackedDataset(path)
     expected = expected_crcs(dataset)
     dataset[0]
-    parent_handle = dataset.reader._handle()  # noqa: F841 - kept alive on purpose
+    parent_handle = dataset.reader.handle()  # noqa: F841 - kept alive on purpose
     parent = mark_parent_handle(dataset.reader)
     (in_main,) = run_epochs(dataset, epochs=1, num_workers=0)
     (in_workers,) = run_epochs(dataset, epochs=1, num_workers=2, multiprocessing_context=context("fork"))
@@ -97,7 +100,7 @@ def load_touched_before_fork(path):
 
 
 def test_forked_workers_read_through_their_own_handle_not_their_parents(archives, packed_kind):
-    """Touch-before-fork (RELIABILITY H1, L1), checked below our handle table: the
+    """A dataset read before the fork, checked below our handle table: the
     file a worker reads through must not be the one its parent opened (HDF5 hands a
     child's reopen the parent's open file unless the inherited one is closed first)."""
     parent, in_main, in_workers = load_touched_before_fork(archives[packed_kind])
@@ -112,9 +115,9 @@ def test_forked_workers_read_through_their_own_handle_not_their_parents(archives
 def test_the_own_handle_check_catches_a_child_reading_through_its_parents_hdf5_file(archives, monkeypatch):
     """The check above can fail: without closing the inherited HDF5 file, a forked
     worker's fresh h5py.File() is its parent's open file (same HDF5 file number)."""
-    from packed_formats.backends.hdf5 import HDF5Reader
+    from packed_formats.backends.hdf5 import HDF5Handle
 
-    monkeypatch.setattr(HDF5Reader, "_discard_inherited", staticmethod(lambda handle: None))
+    monkeypatch.setattr(HDF5Handle, "discard_inherited", lambda handle: None)
     parent, _, in_workers = load_touched_before_fork(archives[("hdf5", "raw")])
     assert {item["handle"] for item in in_workers} == {parent}
 
@@ -187,15 +190,16 @@ def test_two_datasets_on_one_path_share_one_handle_per_process(archives, packed_
     path = archives[packed_kind]
     train, val = pf.PackedDataset(path), pf.PackedDataset(path)
     assert torch.equal(train[2][0], val[2][0])
-    key = (train.reader.format_name, os.path.realpath(path))
+    key = train.reader.handle_key
     assert handles.open_handles()[key][2] == 2  # two users of one handle
     train.close()
     assert torch.equal(val[5][0], pf.PackedDataset(path)[5][0])
     val.close()
 
 
+@pytest.mark.slow
 def test_lmdb_survives_forty_epochs_of_fresh_workers(archives):
-    """Reader slots must not run out when workers come and go (RELIABILITY L3)."""
+    """LMDB reader slots must not run out when workers come and go."""
     dataset = pf.PackedDataset(archives[("lmdb", "raw")])
     dataset[0]  # the main process holds the environment throughout
     loader = DataLoader(Probe(dataset), batch_size=6, num_workers=4, collate_fn=as_list)

@@ -54,8 +54,7 @@ def test_even_step():
 
 
 def mapped_rows_of(reader):
-    handle = reader._live_handle()
-    return handle.rows if reader.format_name in ("zip", "hdf5") else handle.tensor()
+    return reader.handle().rows
 
 
 @pytest.mark.parametrize("fmt", ["memmap", "zip", "hdf5"])

@@ -1,82 +1,83 @@
-"""The format registry: names -> Reader/Writer classes, and format detection."""
+"""The format registry, built from each backend module's ``FormatSpec``, and format detection.
+
+Adding a format is one module exporting a ``SPEC`` and one line in ``SPECS``
+(or ``register(spec)`` at run time).
+"""
 
 from __future__ import annotations
 
 import os
-from typing import Dict, Optional, Type
+from typing import Dict, List, Optional, Tuple, Type
 
 from ..errors import ArchiveNotFoundError, FormatMismatchError, UnknownFormatError
-from .base import Reader, Writer
-from .folder import FolderReader, looks_like_image_folder
-from .hdf5 import HDF5Reader, HDF5Writer
-from .lmdb import LMDBReader, LMDBWriter
-from .memmap import MANIFEST as MEMMAP_MANIFEST
-from .memmap import MemmapReader, MemmapWriter
-from .sharded import ShardedReader, is_shard_index
-from .zip import ZipReader, ZipWriter
+from ..policy import VerifyPolicy
+from . import folder, hdf5, lmdb, memmap, sharded, zip
+from .base import Backend, FormatSpec, Reader, Writer
 
-READERS: Dict[str, Type[Reader]] = {
-    "zip": ZipReader,
-    "hdf5": HDF5Reader,
-    "lmdb": LMDBReader,
-    "memmap": MemmapReader,
-    "folder": FolderReader,
-}
-WRITERS: Dict[str, Type[Writer]] = {
-    "zip": ZipWriter,
-    "hdf5": HDF5Writer,
-    "lmdb": LMDBWriter,
-    "memmap": MemmapWriter,
-}
-FORMATS = tuple(READERS)
-PACKED_FORMATS = tuple(WRITERS)
-READERS["sharded"] = ShardedReader  # an index over parts in one of the formats above
-
-_LMDB_MAGIC = (0xBEEFC0DE).to_bytes(4, "little")
+# Detection asks each in this order: a shard index (a JSON file) before the binary
+# formats, and a plain image folder last.
+SPECS: List[FormatSpec] = [sharded.SPEC, zip.SPEC, hdf5.SPEC, lmdb.SPEC, memmap.SPEC, folder.SPEC]
+_BY_NAME: Dict[str, FormatSpec] = {s.name: s for s in SPECS}
 
 
-def reader_class(format: str) -> Type[Reader]:
+def register(format_spec: FormatSpec) -> None:
+    """Add (or replace) a format: reading, detection, writing and extensions come from its spec."""
+    SPECS[:] = [s for s in SPECS if s.name != format_spec.name]
+    SPECS.insert(len(SPECS) - 1, format_spec)  # before the folder fallback
+    _BY_NAME[format_spec.name] = format_spec
+    _refresh()
+
+
+def unregister(name: str) -> None:
+    """Remove a format added with ``register``."""
+    SPECS[:] = [s for s in SPECS if s.name != name]
+    _BY_NAME.pop(name, None)
+    _refresh()
+
+
+def _refresh() -> None:
+    global FORMATS, PACKED_FORMATS
+    FORMATS = tuple(s.name for s in SPECS if s.name != "sharded")
+    PACKED_FORMATS = tuple(s.name for s in SPECS if s.writer is not None)
+    EXTENSIONS.clear()
+    EXTENSIONS.update({ext: s.name for s in SPECS if s.writer is not None for ext in s.extensions})
+
+
+FORMATS: Tuple[str, ...] = ()  # every format a Reader opens (a sharded archive is parts of one of them)
+PACKED_FORMATS: Tuple[str, ...] = ()  # the formats we write
+EXTENSIONS: Dict[str, str] = {}  # file extension -> format written for it
+_refresh()
+
+
+def spec(format: str) -> FormatSpec:
+    """The registered spec of ``format`` (ValueError naming the choices otherwise)."""
     try:
-        return READERS[format]
+        return _BY_NAME[format]
     except KeyError:
         raise ValueError(f"unknown format {format!r}; choose one of {', '.join(FORMATS)}") from None
 
 
 def writer_class(format: str) -> Type[Writer]:
-    try:
-        return WRITERS[format]
-    except KeyError:
-        raise ValueError(f"cannot write format {format!r}; choose one of {', '.join(PACKED_FORMATS)}") from None
+    writer = spec(format).writer if format in _BY_NAME else None
+    if writer is None:
+        raise ValueError(f"cannot write format {format!r}; choose one of {', '.join(PACKED_FORMATS)}")
+    return writer
 
 
 def sniff_format(path: str) -> Optional[str]:
     """The format of ``path`` from its content, or None if it is none of ours."""
-    if os.path.isdir(path):
-        if os.path.exists(os.path.join(path, MEMMAP_MANIFEST)) or any(
-            os.path.exists(os.path.join(path, n)) for n in ("images.npy", "data.npy")
-        ):
-            return "memmap"
-        if os.path.exists(os.path.join(path, "data.mdb")):
-            return "lmdb"
-        return "folder" if looks_like_image_folder(path) else None
-    with open(path, "rb") as file:
-        head = file.read(64)
-    if is_shard_index(head):
-        return "sharded"
-    if head[:4] in (b"PK\x03\x04", b"PK\x05\x06"):
-        return "zip"
-    if head[:8] == b"\x89HDF\r\n\x1a\n":
-        return "hdf5"
-    if head[16:20] == _LMDB_MAGIC:
-        return "lmdb"
-    return None
+    head: Optional[bytes] = None
+    if not os.path.isdir(path):
+        with open(path, "rb") as file:
+            head = file.read(64)
+    return next((s.name for s in SPECS if s.sniff(path, head)), None)
 
 
 def detect_format(path: "str | os.PathLike[str]", expected: Optional[str] = None) -> str:
     """The format of the archive at ``path``; checks it against ``expected`` if given."""
     path = os.fspath(path)
     if expected is not None:
-        reader_class(expected)
+        spec(expected)
     if not os.path.lexists(path):
         raise ArchiveNotFoundError(path, "no such file or directory", hint="check the path")
     try:
@@ -98,11 +99,35 @@ def detect_format(path: "str | os.PathLike[str]", expected: Optional[str] = None
     return found
 
 
-def open_archive(path: "str | os.PathLike[str]", format: Optional[str] = None, verify: bool = True) -> Reader:
-    """Open any archive (format auto-detected) as a Reader."""
-    return reader_class(detect_format(path, format))(path, verify=verify)
+def open_archive(path: "str | os.PathLike[str]", format: Optional[str] = None, verify: VerifyPolicy = True) -> Reader:
+    """Open any archive (format auto-detected) as a Reader.
+
+    ``verify``: check each sample's CRC32 on every read (True), the first time
+    each process reads it ("once"), or never (False).
+    """
+    return Reader(path, spec(detect_format(path, format)).backend, verify=verify)
 
 
 def open_writer(path: "str | os.PathLike[str]", format: str = "zip", **options) -> Writer:
     """A Writer for a new archive at ``path`` (see Writer for options)."""
     return writer_class(format)(path, **options)
+
+
+__all__ = [
+    "Backend",
+    "EXTENSIONS",
+    "FORMATS",
+    "FormatSpec",
+    "PACKED_FORMATS",
+    "Reader",
+    "SPECS",
+    "Writer",
+    "detect_format",
+    "open_archive",
+    "open_writer",
+    "register",
+    "sniff_format",
+    "spec",
+    "unregister",
+    "writer_class",
+]

@@ -1,152 +1,263 @@
-"""The Reader and Writer contracts every backend fulfils.
+"""The contracts every format fulfils, and the one Reader that composes them.
 
-A backend says how to open its per-process handle, how to read its metadata,
-and how to read (and write) the bytes of sample ``i``.  Worker safety,
-checksums, index checks, batching, atomic publication and error wording live
-here, once, for every format.
+A format is a ``Backend`` (how its samples are stored: metadata without a
+handle, a per-process ``Handle``, reading sample ``i`` or a batch into
+``out``) and a ``Writer``, registered with one ``FormatSpec``.  Worker safety
+(``handles.SharedHandle``), checksums and their policy, index checks and error
+wording live in ``Reader``, once, for every format; atomic publication lives
+in ``Writer``.
 """
 
 from __future__ import annotations
 
+import abc
+import contextlib
+import dataclasses
+import functools
 import operator
 import os
 import shutil
 import uuid
-from typing import Any, ClassVar, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ClassVar, Generic, Iterator, List, Optional, Sequence, Tuple, Type, TypeVar
 
 import numpy as np
 
 from .. import codecs
-from ..checksum import crc32
+from ..checksum import array_crc32, crc32
 from ..errors import (
     ArchiveChangedError,
     ArchiveExistsError,
+    ArchiveNotFoundError,
     ClosedArchiveError,
+    CorruptArchiveError,
     CorruptSampleError,
+    DestinationError,
+    FormatMismatchError,
     InvalidSampleError,
     PackedFormatError,
     SampleIndexError,
 )
-from ..handles import ProcessLocalHandle
+from ..handles import ProcessLocal, SharedHandle
 from ..index import IndexBuilder, SampleIndex
 from ..manifest import MODES, ArchiveManifest, new_manifest
+from ..policy import VerifyPolicy, check_verify
+from .mapped import FileTruncatedError
 
 Blob = Any  # bytes, memoryview or a 1-D uint8 numpy array
+Identity = Tuple[int, int, int, int]  # (device, inode, size, mtime_ns) of a file
 
 DAMAGED_HINT = "the archive is damaged: run `packed-formats verify` on it and re-create it"
 
 
-class Reader(ProcessLocalHandle):
-    """Read-only access to one archive; safe to share with DataLoader workers.
+def file_identity(path: str) -> Optional[Identity]:
+    """(device, inode, size, mtime_ns) of the file at ``path``, or None if it cannot be stat'ed."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
-    ``read(i)`` returns a raw sample as an HxWxC uint8 array, an encoded one as
-    its stored bytes; ``read_many(idx)`` returns one [B,H,W,C] array (raw) or a
-    list of bytes (encoded).  With ``verify=True`` every read is checked
-    against its stored CRC32.
+
+def fd_identity(fd: int) -> Identity:
+    """The identity of an open file (as ``file_identity``)."""
+    st = os.fstat(fd)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def handle_key(format_name: str, path: str, identity: Optional[Identity]) -> tuple:
+    """The key under which processes share a handle: the format, the real path, and the file's identity,
+    so that an archive replaced at the same path never gets the old one's handle."""
+    return (format_name, os.path.realpath(path)) + (identity or ())
+
+
+# ---- what a format provides ---------------------------------------------------------------------------
+class Handle(abc.ABC):
+    """One process's open resource for one archive (file, environment, map)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release what this process opened."""
+
+    def discard_inherited(self) -> None:  # noqa: B027 - a default, not an abstract method
+        """Drop a handle inherited through fork.  Default: forget it (the parent owns it);
+        formats whose library misbehaves with inherited handles (h5py, lmdb) close it."""
+
+
+H = TypeVar("H", bound=Handle)
+T = TypeVar("T")
+
+
+class Backend(abc.ABC, Generic[H]):
+    """How one format stores its samples, in two phases.
+
+    ``read_metadata(path)`` (a class method) reads the manifest and index
+    without holding anything open afterwards.  An instance then knows the
+    archive (``path``, ``manifest``, ``index``, and ``identity``: that of
+    ``data_file()`` when the metadata was read) and opens one ``Handle`` per
+    process with ``open()``; ``read`` and ``read_batch`` read through it.
+    Backends raise ``PackedFormatError`` subclasses and never deal with
+    processes or checksums: ``Reader`` does.
     """
 
     format_name: ClassVar[str] = ""
 
-    def __init__(self, path: "str | os.PathLike[str]", verify: bool = True) -> None:
+    def __init__(self, path: str, manifest: ArchiveManifest, index: SampleIndex,
+                 identity: Optional[Identity] = None) -> None:
+        self.path, self.manifest, self.index, self.identity = path, manifest, index, identity
+
+    @classmethod
+    @abc.abstractmethod
+    def read_metadata(cls, path: str) -> Tuple[ArchiveManifest, SampleIndex]:
+        """The archive's manifest and index (PackedFormatError subclasses when unreadable)."""
+
+    @classmethod
+    def load(cls, path: str) -> "Backend":
+        """The backend of the archive at ``path``, its metadata read."""
+        manifest, index = cls.read_metadata(path)
+        return cls(path, manifest, index)
+
+    def close(self) -> None:
+        """Release what the backend holds besides its handles (nothing, but for composed formats)."""
+
+    @abc.abstractmethod
+    def open(self) -> H:
+        """This process's handle."""
+
+    @abc.abstractmethod
+    def read(self, handle: H, i: int) -> Blob:
+        """The stored bytes of sample i (pixels for raw, file bytes for encoded), unchecked."""
+
+    def read_batch(self, handle: H, idx: np.ndarray, out: np.ndarray) -> None:
+        """Fill out[j] with raw sample idx[j]; formats override this when they can do better than a loop."""
+        for j, i in enumerate(idx):
+            out[j] = self.as_pixels(self.read(handle, int(i)), int(i))
+
+    def data_file(self) -> Optional[str]:
+        """The file whose identity must not change while the archive is in use (None: no such file)."""
+        return self.path
+
+    def files(self) -> List[str]:
+        """Every file the archive consists of."""
+        return [self.path]
+
+    def sample_location(self, i: int) -> Optional[Tuple[str, int]]:
+        """(file, byte offset) where sample i's stored bytes start, when the format knows it."""
+        return None
+
+    # ---- helpers for formats ----
+    @property
+    def offsets(self) -> np.ndarray:
+        """int64[N+1]: sample i's bytes are offsets[i]:offsets[i+1] of a flat store."""
+        return self._required(self.index.offsets, "offsets")
+
+    @property
+    def positions(self) -> np.ndarray:
+        """int64[N]: where sample i's bytes start in the file."""
+        return self._required(self.index.positions, "positions")
+
+    @property
+    def shape(self) -> Tuple[int, int, int]:
+        """(H, W, C) of a raw archive's samples."""
+        return self._required(self.manifest.shape, "shape")
+
+    @property
+    def sample_nbytes(self) -> int:
+        """Bytes of one raw sample."""
+        return self._required(self.manifest.sample_nbytes, "shape")
+
+    def _required(self, value: Optional[T], name: str) -> T:
+        if value is None:
+            problem = f"the index has no {name}, which this archive needs"
+            raise CorruptArchiveError(self.path, problem, hint=DAMAGED_HINT)
+        return value
+
+    def corrupt(self, problem: str, i: int) -> CorruptSampleError:
+        """A CorruptSampleError for sample i naming the archive, index and key."""
+        return CorruptSampleError(self.path, problem, index=i, key=self.index.key(i), hint=DAMAGED_HINT)
+
+    def as_pixels(self, blob: Blob, i: int) -> np.ndarray:
+        """A raw sample's bytes as its HxWxC array (CorruptSampleError if the size is wrong)."""
+        array = blob if isinstance(blob, np.ndarray) else np.frombuffer(blob, dtype=np.uint8)
+        if array.size != self.sample_nbytes:
+            raise self.corrupt(f"raw sample has {array.size} bytes, expected {self.sample_nbytes}", i)
+        return array.reshape(self.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class FormatSpec:
+    """Everything the registry needs to know about one format.
+
+    ``sniff(path, head)`` says whether ``path`` is of this format, from the
+    first 64 bytes of a file (``head``) or, for a directory, ``head=None``.
+    ``writer`` is None for formats that are only read.
+    """
+
+    name: str
+    backend: Type[Backend]
+    writer: Optional[Type["Writer"]]
+    extensions: Tuple[str, ...]
+    sniff: Callable[[str, Optional[bytes]], bool]
+
+
+# ---- the one Reader ----------------------------------------------------------------------------------------
+class Reader:
+    """Read-only access to one archive; safe to share with DataLoader workers.
+
+    ``read(i)`` returns a raw sample as an HxWxC uint8 array, an encoded one as
+    its stored bytes; ``read_many(idx)`` returns one [B,H,W,C] array (raw) or a
+    list of bytes (encoded).  ``verify`` checks samples against their stored
+    CRC32: on every read (True), the first time each process reads a sample
+    ("once"), or never (False).  Nothing is held open by the process that
+    creates a Reader; each process opens its own handle on first read, and a
+    Reader pickles as a description (path, metadata), never as a handle.
+    """
+
+    def __init__(self, path: "str | os.PathLike[str]", backend: Type[Backend], verify: VerifyPolicy = True) -> None:
+        check_verify(verify)
         self.path = os.fspath(path)
         self.verify = verify
         self._closed = False
-        self._key = (self.format_name, os.path.realpath(self.path))
-        self._fingerprint: Optional[Tuple[int, int, int]] = None
-        try:
-            self.manifest, self.index = self._read_metadata(self._handle())
-        finally:
-            self._release_handle()  # the main process holds nothing open
-        self._fingerprint = self._stat_fingerprint()
-        if self.manifest.format != self.format_name:
-            raise PackedFormatError(
-                self.path, f"manifest says format {self.manifest.format!r}, expected {self.format_name!r}"
+        with named_failures(self.path, "cannot read the archive's metadata"):
+            self.backend: Backend = backend.load(self.path)
+        if self.backend.manifest.format != backend.format_name:
+            raise FormatMismatchError(
+                self.path, f"manifest says format {self.backend.manifest.format!r}, expected {backend.format_name!r}"
             )
+        data_file = self.backend.data_file()
+        self.backend.identity = None if data_file is None else file_identity(data_file)
         self._check_index_consistent()
+        self._check_index_checksums()
+        self._claim = SharedHandle(
+            handle_key(backend.format_name, self.path, self.backend.identity),
+            self._open_checked, _close_handle, _discard_handle,
+        )
+        self._verified = ProcessLocal(functools.partial(np.zeros, len(self) if verify == "once" else 0, dtype=bool))
 
-    # ---- what a backend provides -------------------------------------------------
-    def _open(self) -> Any:
-        """Open this process's handle (raise PackedFormatError subclasses)."""
-        raise NotImplementedError
-
-    def _read_metadata(self, handle: Any) -> Tuple[ArchiveManifest, SampleIndex]:
-        raise NotImplementedError
-
-    def _read_blob(self, handle: Any, i: int) -> Blob:
-        """The stored bytes of sample i."""
-        raise NotImplementedError
-
-    def _read_raw_batch(self, handle: Any, idx: np.ndarray, out: np.ndarray) -> None:
-        """Fill out[j] with raw sample idx[j]; backends override when they can do better."""
-        for j, i in enumerate(idx):
-            out[j] = self._as_pixels(self._read_blob(handle, int(i)), int(i))
-
-    def _data_file(self) -> str:
-        """The file whose identity must not change while the archive is in use."""
-        return self.path
-
-    # ---- process-local handle ----------------------------------------------------
-    def _handle_key(self) -> Tuple[str, str]:
-        return self._key
-
-    def _open_handle(self) -> Any:
-        if self._fingerprint is not None and self._stat_fingerprint() != self._fingerprint:
-            raise ArchiveChangedError(
-                self.path,
-                "the archive was replaced or modified after it was opened",
-                hint="re-create the dataset; never rewrite an archive that is being read",
-            )
-        return self._open()
-
-    def _stat_fingerprint(self) -> Optional[Tuple[int, int, int]]:
-        try:
-            st = os.stat(self._data_file())
-        except OSError:
-            return None
-        return (st.st_ino, st.st_size, st.st_mtime_ns)
-
-    def _live_handle(self) -> Any:
-        if self._closed:
-            raise ClosedArchiveError(self.path, "the reader is closed")
-        return self._handle()
-
-    def __getstate__(self):
-        return self._drop_handle_state(self.__dict__.copy())
-
-    def __setstate__(self, state) -> None:
-        self.__dict__.update(state)
-
-    def close(self) -> None:
-        """Release this process's handle; further reads raise ClosedArchiveError."""
-        self._release_handle()
-        self._closed = True
+    # ---- metadata ----
+    @property
+    def format_name(self) -> str:
+        return self.backend.format_name
 
     @property
-    def closed(self) -> bool:
-        return self._closed
+    def manifest(self) -> ArchiveManifest:
+        return self.backend.manifest
 
-    def __enter__(self) -> "Reader":
-        return self
+    @property
+    def index(self) -> SampleIndex:
+        return self.backend.index
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    @property
+    def handle_key(self) -> tuple:
+        """The key of this archive's handle in ``handles.open_handles()``."""
+        return self._claim.key
 
-    def __del__(self) -> None:
-        try:
-            self._release_handle()
-        except Exception:
-            pass
-
-    # ---- the public reading API --------------------------------------------------
     def __len__(self) -> int:
         return self.manifest.count
 
     def __repr__(self) -> str:
-        m = getattr(self, "manifest", None)
-        if m is None:
-            return f"{type(self).__name__}({self.path!r}, not opened)"
+        m = self.manifest
         layout = f"shape={m.shape}" if m.mode == "raw" else f"encoding={m.encoding}"
-        return f"{type(self).__name__}({self.path!r}, mode={m.mode}, count={m.count}, {layout})"
+        return f"Reader({self.path!r}, format={m.format}, mode={m.mode}, count={m.count}, {layout})"
 
     @property
     def mode(self) -> str:
@@ -163,6 +274,58 @@ class Reader(ProcessLocalHandle):
     def key(self, i: int) -> str:
         return self.index.key(self.check_index(i))
 
+    def files(self) -> List[str]:
+        """Every file the archive consists of."""
+        return self.backend.files()
+
+    # ---- process-local handle ----
+    def _open_checked(self) -> Handle:
+        identity, data_file = self.backend.identity, self.backend.data_file()
+        if identity is not None and data_file is not None:
+            now = file_identity(data_file)
+            if now is None:
+                raise ArchiveNotFoundError(
+                    self.path, "no longer exists (deleted, moved, or a relative path after a change of directory)",
+                    hint="open it again by its current path",
+                )
+            if now != identity:
+                raise ArchiveChangedError(
+                    self.path,
+                    "the archive was replaced or modified after it was opened",
+                    hint="re-create the dataset; never rewrite an archive that is being read",
+                )
+        with named_failures(self.path, "cannot open the archive"):
+            return self.backend.open()
+
+    def handle(self) -> Handle:
+        """This process's open handle (opened on first use; ClosedArchiveError after close())."""
+        if self._closed:
+            raise ClosedArchiveError(self.path, "the reader is closed")
+        return self._claim.get()
+
+    def close(self) -> None:
+        """Release this process's handle; further reads raise ClosedArchiveError."""
+        self._claim.release()
+        self.backend.close()
+        self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "Reader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self._claim.release()
+        except Exception:
+            pass
+
+    # ---- reading ----
     def check_index(self, i: int) -> int:
         """i as a non-negative int, or SampleIndexError."""
         n = len(self)
@@ -176,7 +339,8 @@ class Reader(ProcessLocalHandle):
             raise SampleIndexError(self.path, f"index {i} is out of range for {n} samples")
         return j
 
-    def check_indices(self, idx: Sequence[int]) -> np.ndarray:
+    def check_indices(self, idx: "Sequence[int] | np.ndarray") -> np.ndarray:
+        """idx as a fresh int64 array of non-negative indices, or SampleIndexError."""
         arr = np.asarray(idx)
         if arr.ndim != 1 or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)):
             raise SampleIndexError(self.path, "indices must be a 1-D sequence of integers")
@@ -192,96 +356,146 @@ class Reader(ProcessLocalHandle):
     def read_bytes(self, i: int) -> bytes:
         """The stored bytes of sample i (pixels for raw, file bytes for encoded)."""
         i = self.check_index(i)
-        blob = self._read_checked(self._live_handle(), i)
-        return bytes(blob)
+        return bytes(self._read_checked(self.handle(), i))
 
     def read(self, i: int) -> "np.ndarray | bytes":
         """Sample i: HxWxC uint8 array (raw) or its encoded bytes (encoded)."""
         i = self.check_index(i)
-        blob = self._read_checked(self._live_handle(), i)
+        blob = self._read_checked(self.handle(), i)
         if self.manifest.mode == "raw":
-            return self._as_pixels(blob, i).copy()
+            return self.backend.as_pixels(blob, i).copy()
         return bytes(blob)
 
-    def read_many(self, idx: Sequence[int], out: Optional[np.ndarray] = None) -> "np.ndarray | List[bytes]":
+    def read_many(
+        self, idx: "Sequence[int] | np.ndarray", out: Optional[np.ndarray] = None
+    ) -> "np.ndarray | List[bytes]":
         """Samples idx, any order, repeats allowed: [B,H,W,C] array or list of bytes.
 
-        For raw archives ``out`` may be a preallocated [B,H,W,C] uint8 array
-        (e.g. a view of a pinned tensor) to read into.
+        For raw archives ``out`` may be a preallocated C-contiguous or strided
+        [B,H,W,C] uint8 array (e.g. a view of a pinned tensor) to read into.
         """
-        idx = self.check_indices(idx)
-        handle = self._live_handle()
+        indices = self.check_indices(idx)
+        handle = self.handle()
         if self.manifest.mode != "raw":
-            return [bytes(self._read_checked(handle, int(i))) for i in idx]
-        shape = (len(idx),) + tuple(self.manifest.shape)
+            return [bytes(self._read_checked(handle, int(i))) for i in indices]
+        shape = (len(indices),) + self.backend.shape
         if out is None:
             out = np.empty(shape, dtype=np.uint8)
         elif out.shape != shape or out.dtype != np.uint8:
             raise ValueError(f"out must be uint8 {shape}, got {out.dtype} {out.shape}")
-        if len(idx):
-            self._read_raw_batch(handle, idx, out)
-            if self.verify:
-                for j, i in enumerate(idx):
-                    self._check_crc(int(i), out[j])
+        if len(indices):
+            with named_failures(self.path, "cannot read a batch of samples"):
+                self.backend.read_batch(handle, indices, out)
+            for j, i in enumerate(indices):
+                self._verify(int(i), out[j])
         return out
 
-    # ---- checks --------------------------------------------------------------------
-    def _read_checked(self, handle: Any, i: int) -> Blob:
-        blob = self._read_blob(handle, i)
-        if self.verify:
-            self._check_crc(i, blob)
-        return blob
+    # ---- checks ----
+    def sample_error(self, i: int, problem: str) -> CorruptSampleError:
+        """A CorruptSampleError for sample i (e.g. its bytes do not decode), naming the archive and key."""
+        return self.backend.corrupt(problem, i)
 
-    def _check_crc(self, i: int, blob: Blob) -> None:
+    def check_sample(self, i: int, blob: Blob) -> None:
+        """Check sample i's stored bytes against its CRC32, whatever the verify policy."""
         if self.index.crc32 is None:
             return
         actual = crc32(blob)
         expected = int(self.index.crc32[i])
         if actual != expected:
-            raise CorruptSampleError(
-                self.path,
-                f"checksum mismatch (stored crc32 {expected:08x}, read {actual:08x})",
-                index=i,
-                key=self.index.key(i),
-                hint=DAMAGED_HINT,
-            )
+            raise self.sample_error(i, f"checksum mismatch (stored crc32 {expected:08x}, read {actual:08x})")
 
-    def _as_pixels(self, blob: Blob, i: int) -> np.ndarray:
-        shape = self.manifest.shape
-        array = np.frombuffer(blob, dtype=np.uint8) if not isinstance(blob, np.ndarray) else blob
-        if array.size != self.manifest.sample_nbytes:
-            raise CorruptSampleError(
-                self.path,
-                f"raw sample has {array.size} bytes, expected {self.manifest.sample_nbytes}",
-                index=i,
-                key=self.index.key(i),
+    def _read_checked(self, handle: Handle, i: int) -> Blob:
+        with named_failures(self.path, "cannot read the sample", index=i, index_data=self.index):
+            blob = self.backend.read(handle, i)
+        self._verify(i, blob)
+        return blob
+
+    def _verify(self, i: int, blob: Blob) -> None:
+        """Apply the verify policy to sample i's bytes."""
+        if self.verify is False:
+            return
+        if self.verify == "once":
+            verified = self._verified.get()
+            if verified[i]:
+                return
+            self.check_sample(i, blob)
+            verified[i] = True
+            return
+        self.check_sample(i, blob)
+
+    def _check_index_checksums(self) -> None:
+        """Every index array against the CRC32 its manifest recorded at seal time (archives of
+        format version 2 on): a damaged label, key or offset must never read as another."""
+        expected = dict(self.manifest.index_crc32)
+        if not expected:
+            return
+        arrays = self.index.arrays()
+        if set(arrays) != set(expected):
+            raise CorruptArchiveError(
+                self.path, f"the index holds arrays {sorted(arrays)}, its manifest lists {sorted(expected)}",
                 hint=DAMAGED_HINT,
             )
-        return array.reshape(shape)
+        for name, array in arrays.items():
+            if array_crc32(array) != expected[name]:
+                raise CorruptArchiveError(
+                    self.path, f"the index array {name!r} is damaged (its checksum does not match)", hint=DAMAGED_HINT
+                )
 
     def _check_index_consistent(self) -> None:
         n = self.manifest.count
         for name, array in self.index.arrays().items():
             expected = n + 1 if name == "offsets" else n
             if len(array) != expected:
-                raise PackedFormatError(
+                raise CorruptArchiveError(
                     self.path,
                     f"index array {name!r} has {len(array)} entries, manifest says {n} samples",
                     hint=DAMAGED_HINT,
                 )
 
-    def _corrupt(self, problem: str, i: int) -> CorruptSampleError:
-        return CorruptSampleError(self.path, problem, index=i, key=self.index.key(i), hint=DAMAGED_HINT)
+
+@contextlib.contextmanager
+def named_failures(
+    path: str, doing: str, index: Optional[int] = None, index_data: Optional[SampleIndex] = None
+) -> Iterator[None]:
+    """Turn what a format library raises on damaged data (h5py's RuntimeError, numpy's parse
+    errors, a file truncated under its map...) into a PackedFormatError naming the archive
+    (and sample ``index``, with its key from ``index_data``)."""
+    try:
+        yield
+    except PackedFormatError:
+        raise
+    except FileTruncatedError as exc:
+        raise ArchiveChangedError(
+            path, str(exc), hint="an archive must not be rewritten in place while it is read; re-create it"
+        ) from None
+    except MemoryError:
+        raise
+    except Exception as exc:  # a damaged file can make a library fail in any way
+        problem = f"{doing}: {type(exc).__name__}: {exc}"
+        if index is None:
+            raise CorruptArchiveError(path, problem, hint=DAMAGED_HINT) from None
+        key = None if index_data is None else index_data.key(index)
+        raise CorruptSampleError(path, problem, index=index, key=key, hint=DAMAGED_HINT) from None
 
 
-class WriteTransaction:
+def _close_handle(handle: Handle) -> None:
+    handle.close()
+
+
+def _discard_handle(handle: Handle) -> None:
+    handle.discard_inherited()
+
+
+class WriteTransaction(abc.ABC):
     """As a context manager: ``close()`` (publish) on success, ``abort()`` on error."""
 
-    def close(self) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Finish and publish."""
 
-    def abort(self) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Discard everything written."""
 
     def __enter__(self):
         return self
@@ -302,7 +516,7 @@ class Writer(WriteTransaction):
     """
 
     format_name: ClassVar[str] = ""
-    is_directory: ClassVar[bool] = False
+    stores_positions: ClassVar[bool] = False  # whether the index records each sample's file position
 
     def __init__(
         self,
@@ -335,26 +549,34 @@ class Writer(WriteTransaction):
             raise ArchiveExistsError(self.path, "already exists", hint="pass overwrite=True to replace it")
         parent = os.path.dirname(os.path.abspath(self.path))
         if not os.path.isdir(parent):
-            raise PackedFormatError(self.path, f"the destination directory {parent} does not exist")
+            raise DestinationError(self.path, f"the destination directory {parent} does not exist")
         self.temp_path = temp_path_for(self.path)
         self._pid = os.getpid()  # a forked child must never clean up its parent's output
-        self._begin(self.temp_path)
+        self.begin(self.temp_path)
 
     # ---- what a backend provides -------------------------------------------------
-    def _begin(self, temp_path: str) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def begin(self, temp_path: str) -> None:
+        """Create the archive at ``temp_path``."""
 
-    def _append(self, blob: bytes, i: int) -> int:
+    @abc.abstractmethod
+    def append(self, blob: bytes, i: int) -> int:
         """Store sample i's bytes; return its absolute file position or -1."""
-        raise NotImplementedError
 
-    def _finish(self, index: SampleIndex, manifest: ArchiveManifest) -> None:
+    @abc.abstractmethod
+    def finish(self, index: SampleIndex, manifest: ArchiveManifest) -> None:
         """Write the index, then the manifest (the seal) last, and close."""
-        raise NotImplementedError
 
-    def _abort(self) -> None:
-        """Close whatever is open, quietly."""
-        raise NotImplementedError
+    @abc.abstractmethod
+    def discard(self) -> None:
+        """Close whatever is open, quietly (the temporary output is removed after)."""
+
+    @property
+    def raw_shape(self) -> Tuple[int, int, int]:
+        """(H, W, C) of a raw archive's samples."""
+        if self.shape is None:
+            raise ValueError("only a raw archive has a fixed sample shape")
+        return self.shape
 
     # ---- the public writing API --------------------------------------------------
     def __len__(self) -> int:
@@ -368,7 +590,7 @@ class Writer(WriteTransaction):
         key = f"{i:08d}" if key is None else str(key)
         label = self._check_label(label, i, key)
         blob = self._to_blob(sample, i, key)
-        position = self._append(blob, i)
+        position = self.append(blob, i)
         self._builder.append(label, key, crc32(blob), len(blob), position)
         return i
 
@@ -378,15 +600,16 @@ class Writer(WriteTransaction):
             return
         self._closed = True
         try:
-            index = self._builder.build(offsets=self.mode == "encoded", positions=self._stores_positions())
+            index = self._builder.build(offsets=self.mode == "encoded", positions=self.stores_positions)
+            checksums = [(name, array_crc32(array)) for name, array in index.arrays().items()]
             manifest = new_manifest(
-                self.format_name, self.mode, len(index), self.classes, self.shape, self._manifest_encoding()
+                self.format_name, self.mode, len(index), self.classes, self.shape, self._manifest_encoding(), checksums
             )
-            self._finish(index, manifest)
+            self.finish(index, manifest)
             self._spot_check(manifest.count)
             publish(self.temp_path, self.path, overwrite=self.overwrite)
         except BaseException:
-            self._abort()
+            self.discard()
             remove_path(self.temp_path)
             raise
 
@@ -394,7 +617,7 @@ class Writer(WriteTransaction):
         """Discard everything written; ``path`` is left as it was."""
         if not self._closed:
             self._closed = True
-            self._abort()
+            self.discard()
         remove_path(self.temp_path)
 
     def __del__(self) -> None:
@@ -405,9 +628,6 @@ class Writer(WriteTransaction):
                 pass
 
     # ---- helpers -------------------------------------------------------------------
-    def _stores_positions(self) -> bool:
-        return False
-
     def _manifest_encoding(self) -> Optional[str]:
         if self.mode == "raw":
             return None
@@ -438,14 +658,14 @@ class Writer(WriteTransaction):
                     data, kind = codecs.encode(codecs.to_array(sample), self.encoding, self.quality), self.encoding
                 self._encodings_seen.add(kind)
                 return data
-            pixels = codecs.to_array(sample, channels=self.shape[2])
+            pixels = codecs.to_array(sample, channels=self.raw_shape[2])
         except codecs.DecodeError as exc:
             raise InvalidSampleError(self.path, f"cannot store sample: {exc}", index=i, key=key) from None
-        if pixels.shape != self.shape:
+        if pixels.shape != self.raw_shape:
             h, w, c = pixels.shape
             raise InvalidSampleError(
                 self.path,
-                f"image is {h}x{w}x{c} (HxWxC), the raw archive holds {'x'.join(map(str, self.shape))}",
+                f"image is {h}x{w}x{c} (HxWxC), the raw archive holds {'x'.join(map(str, self.raw_shape))}",
                 index=i,
                 key=key,
                 hint="resize it first, e.g. packed-formats convert --size",
@@ -453,11 +673,11 @@ class Writer(WriteTransaction):
         return np.ascontiguousarray(pixels).tobytes()
 
     def _spot_check(self, count: int) -> None:
-        from . import reader_class
+        from . import spec
 
-        with reader_class(self.format_name)(self.temp_path, verify=True) as reader:
+        with Reader(self.temp_path, spec(self.format_name).backend, verify=True) as reader:
             if len(reader) != count:
-                raise PackedFormatError(self.path, f"wrote {count} samples but the archive holds {len(reader)}")
+                raise CorruptArchiveError(self.path, f"wrote {count} samples but the archive holds {len(reader)}")
             for i in {0, count - 1} if count else ():
                 reader.read(i)
 

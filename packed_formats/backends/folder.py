@@ -9,14 +9,15 @@ the source of truth.
 from __future__ import annotations
 
 import os
-from typing import List, Tuple
+import warnings
+from typing import Iterator, List, Optional, Tuple
 
 import numpy as np
 
 from ..errors import ArchiveNotFoundError, UnknownFormatError
 from ..index import SampleIndex, encode_keys
 from ..manifest import ArchiveManifest
-from .base import Reader
+from .base import Backend, FormatSpec, Handle
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
@@ -26,21 +27,60 @@ def is_image_file(name: str) -> bool:
 
 
 def scan_image_folder(root: str) -> Tuple[List[str], List[str], List[int], int]:
-    """(classes, relative image paths, labels, non-image files skipped) of an ImageFolder tree."""
+    """(classes, relative image paths, labels, non-image files skipped) of an ImageFolder tree.
+
+    Symbolic links to directories are followed, each real directory once: a
+    link back to a directory already being scanned (a loop) or to one scanned
+    already (a duplicate) is skipped with a warning naming it, so no image is
+    counted twice or under another class.  File names that are not valid
+    UTF-8 come through as Python's surrogate-escaped strings and round-trip.
+    """
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
     keys: List[str] = []
     labels: List[int] = []
     skipped = 0
+    seen = {os.path.realpath(root)}
     for label, name in enumerate(classes):
-        for directory, subdirs, files in sorted(os.walk(os.path.join(root, name), followlinks=True)):
-            subdirs.sort()
-            for file in sorted(files):
+        for directory, files in sorted(_walk_once(os.path.join(root, name), seen)):
+            for file in files:
                 if is_image_file(file):
                     keys.append(os.path.relpath(os.path.join(directory, file), root))
                     labels.append(label)
                 else:
                     skipped += 1
     return classes, keys, labels, skipped
+
+
+def _walk_once(top: str, seen: set) -> Iterator[Tuple[str, List[str]]]:
+    """(directory, sorted file names) of ``top`` and every directory below, following links to directories once."""
+    real = os.path.realpath(top)
+    if real in seen:
+        warnings.warn(
+            f"{top}: skipped, a link to {real}, which is scanned already (a loop, or a second link to it)",
+            SourceLinkWarning, stacklevel=3,
+        )
+        return
+    seen.add(real)
+    try:
+        entries = sorted(os.scandir(top), key=lambda e: e.name)
+    except OSError as exc:
+        warnings.warn(f"{top}: skipped, cannot list it ({exc.strerror})", SourceLinkWarning, stacklevel=3)
+        return
+    yield top, [e.name for e in entries if not _is_dir(e)]
+    for entry in entries:
+        if _is_dir(entry):
+            yield from _walk_once(entry.path, seen)
+
+
+def _is_dir(entry: "os.DirEntry[str]") -> bool:
+    try:
+        return entry.is_dir()  # follows symbolic links
+    except OSError:
+        return False
+
+
+class SourceLinkWarning(UserWarning):
+    """A linked directory of a source folder was skipped (a loop, or a second link to one directory)."""
 
 
 def looks_like_image_folder(root: str) -> bool:
@@ -55,26 +95,27 @@ def looks_like_image_folder(root: str) -> bool:
     return False
 
 
-class FolderReader(Reader):
+class FolderHandle(Handle):
+    """Nothing is held open between reads: each read opens its file anew."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+class FolderBackend(Backend[FolderHandle]):
     format_name = "folder"
 
-    def _open(self) -> str:
-        if not os.path.isdir(self.path):
-            raise ArchiveNotFoundError(self.path, "no such directory")
-        return self.path
-
-    @staticmethod
-    def _close_handle(handle: str) -> None:
-        """Nothing is held open between reads."""
-
-    def _stat_fingerprint(self):
-        return None  # a folder may legitimately gain files; each read opens its file anew
-
-    def _read_metadata(self, root: str) -> Tuple[ArchiveManifest, SampleIndex]:
-        classes, keys, labels, _ = scan_image_folder(root)
+    @classmethod
+    def read_metadata(cls, path: str) -> Tuple[ArchiveManifest, SampleIndex]:
+        if not os.path.isdir(path):
+            raise ArchiveNotFoundError(path, "no such directory")
+        classes, keys, labels, _ = scan_image_folder(path)
         if not keys:
             raise UnknownFormatError(
-                self.path, "no images found in class sub-directories", hint="expected root/<class>/<image> files"
+                path, "no images found in class sub-directories", hint="expected root/<class>/<image> files"
             )
         manifest = ArchiveManifest(
             format="folder", mode="encoded", count=len(keys), classes=tuple(classes), encoding="mixed", checksum=None
@@ -82,10 +123,31 @@ class FolderReader(Reader):
         index = SampleIndex(labels=np.asarray(labels, dtype=np.int64), keys=encode_keys(keys))
         return manifest, index
 
-    def _read_blob(self, root: str, i: int) -> bytes:
-        path = os.path.join(root, self.index.key(i))
+    def data_file(self) -> None:
+        return None  # a folder may legitimately gain files
+
+    def files(self) -> List[str]:
+        return [os.path.join(self.path, self.index.key(i)) for i in range(len(self.index))]
+
+    def open(self) -> FolderHandle:
+        if not os.path.isdir(self.path):
+            raise ArchiveNotFoundError(self.path, "no such directory")
+        return FolderHandle(self.path)
+
+    def read(self, handle: FolderHandle, i: int) -> bytes:
+        path = os.path.join(handle.root, self.index.key(i))
         try:
             with open(path, "rb") as file:
                 return file.read()
         except OSError as exc:
-            raise self._corrupt(f"cannot read {path}: {exc.strerror}", i) from None
+            raise self.corrupt(f"cannot read {path}: {exc.strerror}", i) from None
+
+    def sample_location(self, i: int) -> Tuple[str, int]:
+        return os.path.join(self.path, self.index.key(i)), 0
+
+
+def _sniff(path: str, head: Optional[bytes]) -> bool:
+    return head is None and looks_like_image_folder(path)
+
+
+SPEC = FormatSpec("folder", FolderBackend, None, (), _sniff)

@@ -1,4 +1,4 @@
-"""Raw samples of one size at known file positions, gathered from a memory map.
+"""Raw samples of one size at known file positions, gathered from a memory map (every format's map path).
 
 Once a process has touched the pages, ``torch.index_select`` over a mapped
 file gathers a shuffled batch as fast as from ordinary memory: 256 samples of
@@ -8,9 +8,12 @@ laid out this way by definition; ZIP archives written here are too (equal
 member names, so equal local headers).  Samples at uneven positions (HDF5
 chunks, other ZIPs) are gathered with one ``torch.cat`` of their slices.
 
-A mapped file must not be truncated in place while it is read (SIGBUS);
-archives are only ever replaced whole (``os.replace``), which leaves mapped
-readers on the old file.
+A mapped file truncated in place while it is read would kill the reader with
+SIGBUS.  Archives are only ever replaced whole (``os.replace``), which leaves
+mapped readers on the old file; against other writers, every gather first
+checks that the file still holds what the map covers (one ``fstat``) and
+raises ``FileTruncatedError`` if not.  A truncation between that check and
+the copy can still end the process: that race is not closed.
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ from typing import Optional
 
 import numpy as np
 import torch
+
+
+class FileTruncatedError(OSError):
+    """The mapped file became shorter than the samples mapped from it."""
 
 
 def gather(rows: torch.Tensor, idx: np.ndarray, out: np.ndarray) -> None:
@@ -46,35 +53,50 @@ def even_step(positions: np.ndarray) -> Optional[int]:
 
 
 class MappedRows:
-    """Samples of ``nbytes`` at byte ``positions`` of a mapped file.
+    """Samples of ``nbytes`` in a read-only map of a file: at byte ``positions``, or ``count``
+    rows one after the other from byte ``start``.
 
     Evenly spaced rows are one strided view and a batch is one
     ``index_select``; otherwise a batch is one ``torch.cat`` of the samples'
-    slices (~5 ms for the 256-sample batch above).
+    slices (~5 ms for the 256-sample batch above).  The map is closed with the rows.
     """
 
-    def __init__(self, fd: int, positions: np.ndarray, nbytes: int) -> None:
-        self.map = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-        self.flat = as_tensor(np.frombuffer(self.map, dtype=np.uint8))
-        self.positions, self.nbytes = np.asarray(positions, dtype=np.int64), int(nbytes)
-        step = even_step(self.positions)
-        self.rows = None
+    def __init__(self, map: mmap.mmap, nbytes: int, positions: Optional[np.ndarray] = None,
+                 start: int = 0, count: int = 0) -> None:
+        self.map = map
+        self.size = len(map)  # bytes the map covers, which the file must keep
+        self.flat: Optional[torch.Tensor] = as_tensor(np.frombuffer(map, dtype=np.uint8))
+        self.nbytes = int(nbytes)
+        self.positions = None if positions is None else np.asarray(positions, dtype=np.int64)
+        self.rows: Optional[torch.Tensor] = None
+        step: Optional[int] = self.nbytes
+        if self.positions is not None:
+            step, start, count = even_step(self.positions), int(self.positions[0]), len(self.positions)
         if step is not None and step >= nbytes:
-            self.rows = self.flat.as_strided((len(positions), nbytes), (max(step, 1), 1), int(self.positions[0]))
+            self.rows = self.flat.as_strided((count, self.nbytes), (max(step, 1), 1), start)
 
     @classmethod
     def of(cls, fd: int, positions: np.ndarray, nbytes: int) -> Optional["MappedRows"]:
-        """The rows at ``positions``, or None when one would lie past the end of the file."""
+        """The rows at ``positions`` of the open file ``fd``, or None when one would lie past its end."""
         if not len(positions) or os.fstat(fd).st_size < int(np.max(positions)) + nbytes:
             return None  # a truncated file: let the positional reads say where
-        return cls(fd, positions, nbytes)
+        return cls(mmap.mmap(fd, 0, access=mmap.ACCESS_READ), nbytes, positions)
 
     def gather(self, idx: np.ndarray, out: np.ndarray) -> None:
+        """out[j] = row idx[j] (``out`` C-contiguous); FileTruncatedError if the file shrank."""
+        self.check_size()
         if self.rows is not None:
             gather(self.rows, idx, out)
             return
-        n = self.nbytes
-        torch.cat([self.flat[p : p + n] for p in self.positions[idx].tolist()], out=torch.from_numpy(out).view(-1))
+        assert self.flat is not None and self.positions is not None, "gather after close()"
+        n, flat = self.nbytes, self.flat
+        torch.cat([flat[p : p + n] for p in self.positions[idx].tolist()], out=torch.from_numpy(out).view(-1))
+
+    def check_size(self) -> None:
+        """FileTruncatedError when the file no longer holds every mapped byte (reading them would SIGBUS)."""
+        size = self.map.size()  # fstat of the mapped file
+        if size < self.size:
+            raise FileTruncatedError(f"the file was truncated to {size} bytes while mapped ({self.size} bytes)")
 
     def close(self) -> None:
         self.rows = self.flat = None

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import mmap
 import os
-from typing import Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
-import torch
 
 from ..errors import (
     ArchiveChangedError,
@@ -25,7 +24,7 @@ from ..errors import (
 from ..index import SampleIndex
 from ..manifest import ArchiveManifest
 from . import mapped
-from .base import Reader, Writer
+from .base import Backend, FormatSpec, Handle, Writer
 
 MANIFEST = "manifest.json"
 _HEADER_BYTES = 128  # reserved .npy header, rewritten with the final shape at close
@@ -46,8 +45,8 @@ def _npy_header(shape: Tuple[int, ...]) -> bytes:
     return b"\x93NUMPY\x01\x00" + len(body).to_bytes(2, "little") + body.encode("latin1")
 
 
-class _Mapped:
-    """A read-only memory map of one .npy file and the array over it."""
+class MappedNpy(Handle):
+    """A read-only memory map of one .npy file and the array over it (memmap's per-process handle)."""
 
     def __init__(self, path: str) -> None:
         with open(path, "rb") as file:
@@ -59,49 +58,55 @@ class _Mapped:
             offset = file.tell()
             nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
             st = os.fstat(file.fileno())
-            self.identity, size = (st.st_ino, st.st_size, st.st_mtime_ns), st.st_size
+            self.identity, size = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns), st.st_size
             if size < offset + nbytes:
                 raise CorruptArchiveError(path, f"the file is truncated ({size} bytes, needs {offset + nbytes})")
             self.map = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) if size else None
         if fortran or dtype != np.uint8:
             raise CorruptArchiveError(path, f"expected C-order uint8 data, found {dtype} fortran={fortran}")
         buffer = self.map if self.map is not None else b""
-        self._tensor = None
-        self.array = np.frombuffer(buffer, dtype=np.uint8, count=nbytes, offset=offset).reshape(shape)
+        self.array: Optional[np.ndarray] = np.frombuffer(buffer, dtype=np.uint8, count=nbytes, offset=offset).reshape(
+            shape
+        )
+        self.rows: Optional[mapped.MappedRows] = None  # raw images as rows of the map, for batch gathers
+        if self.map is not None and len(shape) == 4:
+            row_bytes = int(np.prod(shape[1:], dtype=np.int64))
+            self.rows = mapped.MappedRows(self.map, row_bytes, start=offset, count=int(shape[0]))
 
-    def tensor(self) -> torch.Tensor:
-        """The mapped array as a (read-only) tensor, made once."""
-        if self._tensor is None:
-            self._tensor = mapped.as_tensor(self.array)
-        return self._tensor
+    def check_size(self) -> None:
+        """FileTruncatedError when the file no longer holds what is mapped (reading it would SIGBUS)."""
+        if self.map is not None and self.map.size() < len(self.map):
+            raise mapped.FileTruncatedError(f"the file was truncated to {self.map.size()} bytes while mapped")
 
     def close(self) -> None:
-        self.array = self._tensor = None
-        if self.map is not None:
+        self.array = None
+        if self.rows is not None:
+            self.rows.close()  # and the map under them
+        elif self.map is not None:
             try:
                 self.map.close()
             except BufferError:  # a view is still alive somewhere; unmapped when it dies
                 pass
+        self.rows = None
 
 
 class MemmapWriter(Writer):
     format_name = "memmap"
-    is_directory = True
 
-    def _begin(self, temp_path: str) -> None:
+    def begin(self, temp_path: str) -> None:
         os.mkdir(temp_path)
         self._data_path = os.path.join(temp_path, data_file_name(self.mode))
         self._file = open(self._data_path, "wb")
         self._file.write(b"\0" * _HEADER_BYTES)
         self._bytes = 0
 
-    def _append(self, blob: bytes, i: int) -> int:
+    def append(self, blob: bytes, i: int) -> int:
         self._file.write(blob)
         self._bytes += len(blob)
         return -1
 
-    def _finish(self, index: SampleIndex, manifest: ArchiveManifest) -> None:
-        shape = (len(index),) + self.shape if self.mode == "raw" else (self._bytes,)
+    def finish(self, index: SampleIndex, manifest: ArchiveManifest) -> None:
+        shape = (len(index),) + self.raw_shape if self.mode == "raw" else (self._bytes,)
         self._file.seek(0)
         self._file.write(_npy_header(shape))
         self._file.close()
@@ -110,77 +115,94 @@ class MemmapWriter(Writer):
         with open(os.path.join(self.temp_path, MANIFEST), "w") as file:  # the seal, last
             file.write(manifest.to_json())
 
-    def _abort(self) -> None:
+    def discard(self) -> None:
         try:
             self._file.close()
         except Exception:
             pass
 
 
-class MemmapReader(Reader):
+class MemmapBackend(Backend[MappedNpy]):
     format_name = "memmap"
 
-    def _data_file(self) -> str:
-        manifest = getattr(self, "manifest", None)
-        if manifest is None:
-            return os.path.join(self.path, MANIFEST)
-        return os.path.join(self.path, data_file_name(manifest.mode))
+    @classmethod
+    def read_metadata(cls, path: str) -> Tuple[ArchiveManifest, SampleIndex]:
+        if not os.path.isdir(path):
+            raise ArchiveNotFoundError(path, "no such directory")
+        manifest_path = os.path.join(path, MANIFEST)
+        if not os.path.exists(manifest_path):
+            if any(os.path.exists(os.path.join(path, data_file_name(m))) for m in ("raw", "encoded")):
+                raise IncompleteArchiveError(path, "no manifest.json: the archive was never sealed")
+            raise UnknownFormatError(path, "not a packed_formats memmap archive (no manifest.json)")
+        try:
+            with open(manifest_path) as file:
+                manifest = ArchiveManifest.from_json(file.read(), path=path)
+            arrays = {}
+            for name in _INDEX_NAMES:
+                array_path = os.path.join(path, f"{name}.npy")
+                if os.path.exists(array_path):
+                    arrays[name] = np.load(array_path, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise CorruptArchiveError(path, f"cannot read the archive index: {exc}") from None
+        _map_data(path, manifest.mode).close()  # the data file is checked now, in this process
+        return manifest, SampleIndex.from_arrays(arrays)
 
-    def _open(self) -> "_Mapped | None":
+    def data_file(self) -> str:
+        return os.path.join(self.path, data_file_name(self.manifest.mode))
+
+    def files(self) -> List[str]:
+        names = [MANIFEST, data_file_name(self.manifest.mode)] + [f"{n}.npy" for n in self.index.arrays()]
+        return [os.path.join(self.path, n) for n in names]
+
+    def open(self) -> MappedNpy:
         if not os.path.isdir(self.path):
             raise ArchiveNotFoundError(self.path, "no such directory")
-        if not hasattr(self, "manifest"):
-            return None  # metadata is read from the small .npy files directly
-        data = self._map_data()
-        if self._fingerprint not in (None, data.identity):  # replaced between the check and the open
+        data = _map_data(self.path, self.manifest.mode)
+        if self.identity not in (None, data.identity):  # replaced between the check and the open
             data.close()
             raise ArchiveChangedError(self.path, "the archive was replaced or modified after it was opened")
         return data
 
-    def _map_data(self) -> _Mapped:
-        try:
-            return _Mapped(self._data_file())
-        except FileNotFoundError:
-            raise CorruptArchiveError(self.path, f"{data_file_name(self.manifest.mode)} is missing") from None
-        except CorruptArchiveError as exc:
-            raise CorruptArchiveError(self.path, f"{os.path.basename(exc.path)}: {exc.problem}") from None
-        except (OSError, ValueError) as exc:
-            raise CorruptArchiveError(self.path, f"cannot map the sample data: {exc}") from None
-
-    @staticmethod
-    def _close_handle(handle: "_Mapped | None") -> None:
-        if handle is not None:
-            handle.close()
-
-    def _read_metadata(self, _handle: None) -> Tuple[ArchiveManifest, SampleIndex]:
-        manifest_path = os.path.join(self.path, MANIFEST)
-        if not os.path.exists(manifest_path):
-            if os.path.exists(os.path.join(self.path, "images.npy")) or os.path.exists(
-                os.path.join(self.path, "data.npy")
-            ):
-                raise IncompleteArchiveError(self.path, "no manifest.json: the archive was never sealed")
-            raise UnknownFormatError(self.path, "not a packed_formats memmap archive (no manifest.json)")
-        try:
-            with open(manifest_path) as file:
-                manifest = ArchiveManifest.from_json(file.read(), path=self.path)
-            arrays = {}
-            for name in _INDEX_NAMES:
-                path = os.path.join(self.path, f"{name}.npy")
-                if os.path.exists(path):
-                    arrays[name] = np.load(path, allow_pickle=False)
-        except (OSError, ValueError) as exc:
-            raise CorruptArchiveError(self.path, f"cannot read the archive index: {exc}") from None
-        self.manifest = manifest  # lets the data file be checked now, in this process
-        self._map_data().close()
-        return manifest, SampleIndex.from_arrays(arrays)
-
-    def _read_blob(self, handle: _Mapped, i: int) -> np.ndarray:
+    def read(self, handle: MappedNpy, i: int) -> np.ndarray:
+        handle.check_size()
+        array = _array(handle)
         if self.manifest.mode == "raw":
-            return handle.array[i].reshape(-1)
-        return handle.array[int(self.index.offsets[i]) : int(self.index.offsets[i + 1])]
+            return array[i].reshape(-1)
+        return array[int(self.offsets[i]) : int(self.offsets[i + 1])]
 
-    def _read_raw_batch(self, handle: _Mapped, idx: np.ndarray, out: np.ndarray) -> None:
-        if not out.flags.c_contiguous:
-            out[...] = handle.array[idx]
+    def read_batch(self, handle: MappedNpy, idx: np.ndarray, out: np.ndarray) -> None:
+        if handle.rows is None or not out.flags.c_contiguous:
+            handle.check_size()
+            out[...] = _array(handle)[idx]
             return
-        mapped.gather(handle.tensor(), idx, out)  # one gather from the map: see mapped.py
+        handle.rows.gather(idx, out)  # one gather from the map: see mapped.py
+
+    def sample_location(self, i: int) -> Tuple[str, int]:
+        data = np.load(self.data_file(), mmap_mode="r")
+        start = i * self.sample_nbytes if self.manifest.mode == "raw" else int(self.offsets[i])
+        return self.data_file(), int(data.offset) + start
+
+
+def _array(handle: MappedNpy) -> np.ndarray:
+    if handle.array is None:
+        raise ArchiveChangedError(None, "the archive's map was closed")
+    return handle.array
+
+
+def _map_data(path: str, mode: str) -> MappedNpy:
+    name = data_file_name(mode)
+    try:
+        return MappedNpy(os.path.join(path, name))
+    except FileNotFoundError:
+        raise CorruptArchiveError(path, f"{name} is missing") from None
+    except CorruptArchiveError as exc:
+        raise CorruptArchiveError(path, f"{name}: {exc.problem}") from None
+    except (OSError, ValueError) as exc:
+        raise CorruptArchiveError(path, f"cannot map the sample data: {exc}") from None
+
+
+def _sniff(path: str, head: Optional[bytes]) -> bool:
+    return head is None and any(os.path.exists(os.path.join(path, n)) for n in (MANIFEST, "images.npy", "data.npy"))
+
+
+SPEC = FormatSpec("memmap", MemmapBackend, MemmapWriter, (".memmap", ".mmap"), _sniff)

@@ -6,8 +6,9 @@ beside the destination and, at the destination itself, an index::
     {"packed_formats_shards": 1, "format": "zip", "parts": [{"name": "train-00000.zip", "count": 1000}, ...]}
 
 Part names are relative to the index's directory.  Each part is a complete
-archive of its own; the ShardedReader composes the parts' Readers (each with
-its own per-process handle) and checks checksums against the joined index.
+archive of its own.  The sharded backend is a span layer over the parts'
+Readers (each with its own per-process handle), used through their public API
+only; the outer Reader checks checksums against the joined index.
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ import dataclasses
 import json
 import os
 import re
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..errors import ArchiveExistsError, ArchiveNotFoundError, CorruptArchiveError, PackedFormatError
 from ..index import SampleIndex
 from ..manifest import ArchiveManifest
-from .base import Reader, WriteTransaction, publish, remove_path, temp_path_for
+from .base import Backend, FormatSpec, Handle, Reader, WriteTransaction, publish, remove_path, temp_path_for
 
 INDEX_VERSION = 1
 _MAGIC = re.compile(rb'\s*\{\s*"packed_formats_shards"\s*:')
@@ -41,7 +42,12 @@ def part_name(path: str, k: int) -> str:
 
 
 def read_shard_index(path: str) -> dict:
-    """The parsed index at ``path`` (CorruptArchiveError if it is not a valid one)."""
+    """The parsed index at ``path`` (CorruptArchiveError if it is not a valid one).
+
+    Parts are confined to the index's directory: each name is a plain file
+    name (no separators, not "." or ".."), and each part is a packed archive
+    of one format that is neither a folder nor another shard index.
+    """
     try:
         with open(path, "rb") as file:
             spec = json.loads(file.read())
@@ -50,87 +56,130 @@ def read_shard_index(path: str) -> dict:
         version, part_format = int(spec["packed_formats_shards"]), str(spec["format"])
     except FileNotFoundError:
         raise ArchiveNotFoundError(path, "no such file") from None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CorruptArchiveError(path, f"not a valid shard index: {exc}") from None
-    if version > INDEX_VERSION or not names or any(os.path.basename(n) != n for n in names):
-        raise CorruptArchiveError(path, "not a valid shard index (unknown version, no parts, or a part elsewhere)")
+    if version > INDEX_VERSION or not names:
+        raise CorruptArchiveError(path, "not a valid shard index (unknown version, or no parts)")
+    for name in names:
+        if name in ("", ".", "..") or os.path.basename(name) != name or "/" in name or "\\" in name:
+            raise CorruptArchiveError(path, f"part name {name!r} is not a plain file name beside the index")
+    if part_format in ("sharded", "folder") or part_format not in _packed_formats():
+        raise CorruptArchiveError(path, f"parts of format {part_format!r} cannot be shards (a packed format is needed)")
+    if any(c < 0 for c in counts):
+        raise CorruptArchiveError(path, "a part has a negative sample count")
     return {"format": part_format, "names": names, "counts": counts}
 
 
-class ShardedReader(Reader):
-    format_name = "sharded"
+def _packed_formats() -> Tuple[str, ...]:
+    from . import PACKED_FORMATS
 
-    def _open(self) -> str:
-        if not os.path.isfile(self.path):
-            raise ArchiveNotFoundError(self.path, "no such file")
-        return self.path  # nothing to hold: each part keeps its own handle
+    return PACKED_FORMATS
 
-    @staticmethod
-    def _close_handle(handle: Any) -> None:
-        """Nothing is held by the index itself."""
 
-    def _read_metadata(self, _handle: Any) -> Tuple[ArchiveManifest, SampleIndex]:
-        from . import reader_class
-
-        spec = read_shard_index(self.path)
-        directory = os.path.dirname(os.path.abspath(self.path))
-        part_class = reader_class(spec["format"])
-        self.parts: List[Reader] = [part_class(os.path.join(directory, n), verify=False) for n in spec["names"]]
-        self._check_parts(spec["counts"])
-        self._starts = np.cumsum([0] + [len(p) for p in self.parts]).astype(np.int64)
-        return self._joined_manifest(), self._joined_index()
-
-    def _check_parts(self, counts: List[int]) -> None:
-        first = self.parts[0].manifest
-        for part, count in zip(self.parts, counts):
-            m = part.manifest
-            if len(part) != count:
-                raise CorruptArchiveError(self.path, f"part {part.path} holds {len(part)} samples, index says {count}")
-            if (m.mode, m.shape, m.classes) != (first.mode, first.shape, first.classes):
-                raise CorruptArchiveError(self.path, f"part {part.path} differs from the first in mode/shape/classes")
-
-    def _joined_manifest(self) -> ArchiveManifest:
-        encodings = {p.manifest.encoding for p in self.parts}
-        return dataclasses.replace(
-            self.parts[0].manifest,
-            format=self.format_name,
-            count=int(self._starts[-1]),
-            encoding=encodings.pop() if len(encodings) == 1 else "mixed",
-        )
-
-    def _joined_index(self) -> SampleIndex:
-        indexes = [p.index for p in self.parts]
-        crc = None if any(x.crc32 is None for x in indexes) else np.concatenate([x.crc32 for x in indexes])
-        return SampleIndex(
-            labels=np.concatenate([x.labels for x in indexes]),
-            keys=np.concatenate([x.keys for x in indexes]),
-            crc32=crc,
-        )
-
-    def _locate(self, i: int) -> Tuple[Reader, int]:
-        p = int(np.searchsorted(self._starts, i, side="right")) - 1
-        return self.parts[p], i - int(self._starts[p])
-
-    def _read_blob(self, _handle: Any, i: int) -> Any:
-        part, j = self._locate(i)
-        return part._read_blob(part._live_handle(), j)
-
-    def _read_raw_batch(self, _handle: Any, idx: np.ndarray, out: np.ndarray) -> None:
-        owner = np.searchsorted(self._starts, idx, side="right") - 1
-        for p in np.unique(owner):
-            part, mask = self.parts[int(p)], owner == p
-            local = idx[mask] - self._starts[p]
-            if mask.all():
-                part._read_raw_batch(part._live_handle(), local, out)
-            else:
-                buffer = np.empty((len(local),) + out.shape[1:], dtype=np.uint8)
-                part._read_raw_batch(part._live_handle(), local, buffer)
-                out[mask] = buffer
+class ShardedHandle(Handle):
+    """The index holds nothing open: each part keeps its own handle."""
 
     def close(self) -> None:
-        super().close()
-        for part in getattr(self, "parts", ()):
+        """Nothing to release."""
+
+
+class ShardedBackend(Backend[ShardedHandle]):
+    format_name = "sharded"
+
+    def __init__(self, path: str, manifest: ArchiveManifest, index: SampleIndex, parts: Sequence[Reader] = ()) -> None:
+        super().__init__(path, manifest, index)
+        self.parts = list(parts)
+        self.starts = np.cumsum([0] + [len(p) for p in self.parts]).astype(np.int64)
+
+    @classmethod
+    def load(cls, path: str) -> "ShardedBackend":
+        from . import spec
+
+        index_spec = read_shard_index(path)
+        directory = os.path.dirname(os.path.abspath(path))
+        backend = spec(index_spec["format"]).backend
+        parts = [Reader(os.path.join(directory, n), backend, verify=False) for n in index_spec["names"]]
+        _check_parts(path, parts, index_spec["counts"])
+        return cls(path, _joined_manifest(parts), _joined_index(parts), parts)
+
+    @classmethod
+    def read_metadata(cls, path: str) -> Tuple[ArchiveManifest, SampleIndex]:
+        backend = cls.load(path)
+        backend.close()
+        return backend.manifest, backend.index
+
+    def open(self) -> ShardedHandle:
+        if not os.path.isfile(self.path):
+            raise ArchiveNotFoundError(self.path, "no such file")
+        return ShardedHandle()
+
+    def files(self) -> List[str]:
+        return [self.path] + [f for part in self.parts for f in part.files()]
+
+    def locate(self, i: int) -> Tuple[Reader, int]:
+        """The part holding sample i, and i's index in it."""
+        p = int(np.searchsorted(self.starts, i, side="right")) - 1
+        return self.parts[p], i - int(self.starts[p])
+
+    def read(self, handle: ShardedHandle, i: int) -> bytes:
+        part, j = self.locate(i)
+        return part.read_bytes(j)
+
+    def read_batch(self, handle: ShardedHandle, idx: np.ndarray, out: np.ndarray) -> None:
+        owner = np.searchsorted(self.starts, idx, side="right") - 1
+        for p in np.unique(owner):
+            part, mask = self.parts[int(p)], owner == p
+            local = idx[mask] - self.starts[p]
+            if mask.all():
+                part.read_many(local, out=out)
+            else:
+                out[mask] = part.read_many(local)
+
+    def sample_location(self, i: int) -> Optional[Tuple[str, int]]:
+        part, j = self.locate(i)
+        return part.backend.sample_location(j)
+
+    def close(self) -> None:
+        for part in self.parts:
             part.close()
+
+
+def _check_parts(path: str, parts: List[Reader], counts: List[int]) -> None:
+    first = parts[0].manifest
+    for part, count in zip(parts, counts):
+        m = part.manifest
+        if len(part) != count:
+            raise CorruptArchiveError(path, f"part {part.path} holds {len(part)} samples, index says {count}")
+        if (m.mode, m.shape, m.classes) != (first.mode, first.shape, first.classes):
+            raise CorruptArchiveError(path, f"part {part.path} differs from the first in mode/shape/classes")
+
+
+def _joined_manifest(parts: List[Reader]) -> ArchiveManifest:
+    encodings = {p.manifest.encoding for p in parts}
+    return dataclasses.replace(
+        parts[0].manifest,
+        format=ShardedBackend.format_name,
+        count=sum(len(p) for p in parts),
+        encoding=encodings.pop() if len(encodings) == 1 else "mixed",
+        index_crc32=(),  # each part's index was checked against its own manifest
+    )
+
+
+def _joined_index(parts: List[Reader]) -> SampleIndex:
+    indexes = [p.index for p in parts]
+    crc = None if any(x.crc32 is None for x in indexes) else np.concatenate([x.crc32 for x in indexes])
+    return SampleIndex(
+        labels=np.concatenate([x.labels for x in indexes]),
+        keys=np.concatenate([x.keys for x in indexes]),
+        crc32=crc,
+    )
+
+
+def _sniff(path: str, head: Optional[bytes]) -> bool:
+    return head is not None and is_shard_index(head)
+
+
+SPEC = FormatSpec("sharded", ShardedBackend, None, (), _sniff)
 
 
 class ShardedWriter(WriteTransaction):
@@ -167,6 +216,7 @@ class ShardedWriter(WriteTransaction):
         """Append one sample (see Writer.add); return its index in the whole dataset."""
         if self._current is None or len(self._current) == self.shard_size:
             self._next_part()
+        assert self._current is not None
         self._current.add(sample, label, key)
         self._count += 1
         return self._count - 1

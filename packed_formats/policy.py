@@ -1,0 +1,116 @@
+"""The policies every read and write path shares, each in one place.
+
+* verify: check a sample's CRC32 on every read (True), the first time each
+  process reads it ("once"), or never (False); applied by ``Reader``.
+* on_error: "raise" at the first bad sample, or "skip" it with a
+  ``SkippedSampleWarning`` naming it; used by convert, make_loader and verify.
+* decode: encoded bytes -> pixels, at an optional size, the one function the
+  dataset, the loader and the converter call.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional, Tuple, Union
+
+import numpy as np
+from PIL import Image
+
+from . import codecs
+
+VerifyPolicy = Union[bool, str]
+VERIFY_POLICIES: Tuple[VerifyPolicy, ...] = (True, False, "once")
+ON_ERROR = ("raise", "skip")
+RESIZE_MODES = ("stretch", "shorter-side-center-crop")
+_CHANNEL_MODE = {1: "L", 3: "RGB"}
+
+
+def check_choice(name: str, value: object, choices: Tuple[object, ...]) -> None:
+    """ValueError naming ``name`` and the choices unless ``value`` is one of them."""
+    if not any(value is c or (type(value) is type(c) and value == c) for c in choices):
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def check_verify(value: object) -> None:
+    check_choice("verify", value, VERIFY_POLICIES)
+
+
+def check_on_error(value: object) -> None:
+    check_choice("on_error", value, ON_ERROR)
+
+
+class SkippedSampleWarning(UserWarning):
+    """Bad samples were left out (``on_error="skip"``)."""
+
+
+class Skipped(NamedTuple):
+    """One sample left out: where it is and what was wrong."""
+
+    path: str
+    index: int  # type: ignore[assignment]  # the sample's index (shadows tuple.index, by design)
+    key: str
+    problem: str
+
+
+# ---- decode ------------------------------------------------------------------------------------------
+def decode(
+    data: bytes,
+    channels: int = 3,
+    size: Optional[Tuple[int, int]] = None,
+    resize_mode: str = "stretch",
+    reducing_gap: Optional[float] = None,
+) -> np.ndarray:
+    """Encoded bytes -> HxWxC uint8 pixels, resized to ``size`` (height, width) if given.
+
+    A JPEG is first decoded at the smallest DCT scale (1/2, 1/4, 1/8) that
+    still covers what the resize keeps, times ``reducing_gap`` when given (a
+    margin of detail for the final bilinear filter: the converter uses 2, the
+    loader none, for speed).  Raises codecs.DecodeError for a bad or truncated image.
+    """
+    mode = _CHANNEL_MODE[channels]
+    if size is None:
+        image = codecs.open_image(data)
+    else:
+        gap = 1.0 if reducing_gap is None else reducing_gap
+        image = codecs.open_image(data, draft=lambda stored: (mode, decode_size(stored, size, resize_mode, gap)))
+    if image.mode != mode:
+        image = image.convert(mode)
+    if size is not None:
+        image = resize(image, size, resize_mode, reducing_gap)
+    return codecs.pil_to_array(image, channels)
+
+
+def resize(
+    image: Image.Image, size: Tuple[int, int], resize_mode: str = "stretch", reducing_gap: Optional[float] = None
+) -> Image.Image:
+    """``image`` at (height, width), bilinear: stretched, or scaled so the shorter side fits and center-cropped."""
+    height, width = size
+    if image.mode not in ("RGB", "L"):
+        image = image.convert("RGB")
+    box: Tuple[float, float, float, float]
+    if resize_mode == "stretch":
+        box = (0, 0, image.width, image.height)
+    elif resize_mode == "shorter-side-center-crop":
+        scale = max(width / image.width, height / image.height)
+        crop_w, crop_h = width / scale, height / scale
+        left, top = max(0.0, (image.width - crop_w) / 2), max(0.0, (image.height - crop_h) / 2)
+        box = (left, top, min(image.width, left + crop_w), min(image.height, top + crop_h))  # float rounding
+    else:
+        raise ValueError(f"resize mode must be one of {RESIZE_MODES}, got {resize_mode!r}")
+    if image.size == (width, height) and box == (0, 0, width, height):
+        return image
+    return image.resize((width, height), Image.Resampling.BILINEAR, box=box, reducing_gap=reducing_gap)
+
+
+def decode_size(source: Tuple[int, int], size: Tuple[int, int], resize_mode: str, gap: float) -> Tuple[int, int]:
+    """The smallest (width, height) worth decoding ``source`` (width, height) to: ``gap`` times what the resize keeps.
+
+    Like Pillow's ``thumbnail``: the JPEG decoder's own 1/2, 1/4, 1/8 scaling
+    is used only while a margin of detail remains for the final filter, so
+    large photos decode several times faster at no visible cost.
+    """
+    (w, h), (height, width) = source, size
+    if resize_mode == "stretch":
+        return math.ceil(width * gap), math.ceil(height * gap)
+    scale = max(width / w, height / h) * gap
+    return math.ceil(w * scale), math.ceil(h * scale)

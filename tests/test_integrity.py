@@ -1,0 +1,167 @@
+"""Damage around the pixels is named too: index files, shard indexes, files truncated under a reader."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import packed_formats as pf
+
+from .conftest import ARCHIVE_KINDS, kind_id
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ---- shard indexes are confined to their directory ---------------------------------------------------
+def shard_index(tmp_path, archives, parts, format="zip"):
+    path = tmp_path / "index.json"
+    path.write_text(json.dumps({"packed_formats_shards": 1, "format": format, "parts": parts}))
+    return path
+
+
+@pytest.mark.parametrize("name", ["..", ".", "", "../data-raw.zip", "sub/data-raw.zip", "/etc/passwd"])
+def test_a_shard_part_outside_the_index_directory_is_refused(tmp_path, archives, name):
+    path = shard_index(tmp_path, archives, [{"name": name, "count": 24}], format="folder" if name == ".." else "zip")
+    with pytest.raises(pf.CorruptArchiveError, match="index.json"):
+        pf.PackedDataset(path)
+
+
+@pytest.mark.parametrize("part_format", ["folder", "sharded", "nonsense"])
+def test_a_shard_part_must_be_a_packed_archive(tmp_path, archives, part_format):
+    shutil.copyfile(archives[("zip", "raw")], tmp_path / "part.zip")
+    path = shard_index(tmp_path, archives, [{"name": "part.zip", "count": 24}], format=part_format)
+    with pytest.raises(pf.CorruptArchiveError, match="cannot be shards"):
+        pf.PackedDataset(path)
+
+
+def test_a_shard_index_naming_itself_is_refused_not_recursed(tmp_path, archives):
+    path = shard_index(tmp_path, archives, [{"name": "index.json", "count": 24}], format="sharded")
+    with pytest.raises(pf.CorruptArchiveError):
+        pf.PackedDataset(path)
+
+
+# ---- truncation under a live reader ------------------------------------------------------------------------
+TRUNCATE_UNDER_READER = """
+import os, sys
+import packed_formats as pf
+path, data_file = sys.argv[1], sys.argv[2]
+reader = pf.open_archive(path)
+everything = list(range(len(reader)))
+before = reader.read_many(everything)   # maps the file (raw) and reads every sample
+os.truncate(data_file, os.path.getsize(data_file) // 2)
+try:
+    after = reader.read_many(everything)
+except pf.PackedFormatError as exc:
+    print(type(exc).__name__, exc)
+    sys.exit(0)
+same = all((a == b).all() if hasattr(a, "shape") else a == b for a, b in zip(before, after))
+print("read from a cache, unchanged" if same else "silently changed")
+sys.exit(0 if same else 1)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ARCHIVE_KINDS, ids=kind_id)
+def test_an_archive_truncated_under_a_live_reader_gives_a_named_error_not_a_signal(archives, tmp_path, kind):
+    src = archives[kind]
+    path = os.path.join(tmp_path, os.path.basename(src))
+    (shutil.copytree if os.path.isdir(src) else shutil.copyfile)(src, path)
+    with pf.open_archive(path) as reader:
+        data_file = reader.backend.data_file()
+    result = subprocess.run(
+        [sys.executable, "-c", TRUNCATE_UNDER_READER, path, data_file],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, f"exit {result.returncode}: {result.stdout} {result.stderr[-2000:]}"
+    assert os.path.basename(path) in result.stdout or result.stdout.startswith("read from a cache")
+
+
+# ---- source scanning --------------------------------------------------------------------------------------
+def test_a_symlink_loop_in_a_source_folder_is_skipped_with_a_warning_not_multiplied(tmp_path):
+    from packed_formats.backends.folder import SourceLinkWarning
+    from packed_formats.synthetic import make_image_folder
+
+    root = make_image_folder(tmp_path / "s", images_per_class=3, classes=("a", "b"), sizes=(20, 30), seed=1)
+    os.symlink("..", os.path.join(root, "b", "loop"))
+    os.symlink(os.path.join("..", "a"), os.path.join(root, "b", "again"))
+    with pytest.warns(SourceLinkWarning, match="loop"):
+        dataset = pf.PackedDataset(root)
+    assert len(dataset) == 6
+    assert [dataset.key(i)[0] for i in range(6)] == ["a"] * 3 + ["b"] * 3
+    assert list(dataset.targets) == [0, 0, 0, 1, 1, 1]
+
+
+def test_a_linked_class_directory_is_followed(tmp_path):
+    from packed_formats.synthetic import make_image_folder
+
+    elsewhere = make_image_folder(tmp_path / "elsewhere", images_per_class=2, classes=("x",), sizes=(20, 30), seed=2)
+    root = make_image_folder(tmp_path / "s", images_per_class=2, classes=("a",), sizes=(20, 30), seed=3)
+    os.symlink(os.path.join(elsewhere, "x"), os.path.join(root, "b"))
+    dataset = pf.PackedDataset(root)
+    assert dataset.classes == ["a", "b"] and list(dataset.targets) == [0, 0, 1, 1]
+
+
+# ---- errors keep their class through a plain DataLoader ----------------------------------------------------
+def test_a_workers_corrupt_sample_error_is_caught_as_one_in_the_main_process(archives, tmp_path):
+    import torch
+
+    path = os.path.join(tmp_path, "bad.zip")
+    shutil.copyfile(archives[("zip", "raw")], path)
+    with pf.open_archive(path) as reader:
+        where = reader.backend.sample_location(3)
+    with open(where[0], "r+b") as file:
+        file.seek(where[1] + 7)
+        byte = file.read(1)
+        file.seek(where[1] + 7)
+        file.write(bytes([byte[0] ^ 0xFF]))
+    loader = torch.utils.data.DataLoader(pf.PackedDataset(path), batch_size=4, num_workers=2)
+    with pytest.raises(pf.CorruptSampleError, match="bad.zip") as error:
+        list(loader)
+    assert "index 3" in str(error.value) and "checksum mismatch" in str(error.value)
+
+
+# ---- every byte that decides a sample is checksummed: index arrays and the manifest -------------------------
+def flip_everywhere(files, needle: bytes, offset: int) -> int:
+    """Flip the byte at ``offset`` of every copy of ``needle`` in ``files``; how many copies there were."""
+    found = 0
+    for name in files:
+        with open(name, "r+b") as file:
+            content = file.read()
+            start = content.find(needle)
+            while start >= 0:
+                file.seek(start + offset)
+                file.write(bytes([content[start + offset] ^ 0x01]))
+                found += 1
+                start = content.find(needle, start + 1)
+    return found
+
+
+def damaged_copy(archives, kind, tmp_path, what: str) -> str:
+    src = archives[kind]
+    path = os.path.join(tmp_path, os.path.basename(src))
+    (shutil.copytree if os.path.isdir(src) else shutil.copyfile)(src, path)
+    with pf.open_archive(path) as reader:
+        files = reader.files()
+        if what == "manifest":  # one letter of a class name
+            needle, offset = b'"circles"', 2
+        else:
+            array = getattr(reader.index, what)
+            needle = array.tobytes()
+            offset = len(needle) // 2 + (array.itemsize - 1 if what == "labels" else 0)
+    assert flip_everywhere(files, needle, offset) > 0, f"{what} not found in the archive's files"
+    return path
+
+
+@pytest.mark.parametrize("what", ["labels", "keys", "crc32", "manifest"])
+@pytest.mark.parametrize("kind", ARCHIVE_KINDS, ids=kind_id)
+def test_a_damaged_index_or_manifest_is_named_on_open_and_by_verify(archives, tmp_path, kind, what):
+    path = damaged_copy(archives, kind, tmp_path, what)
+    with pytest.raises(pf.CorruptArchiveError, match=os.path.basename(path)):
+        pf.PackedDataset(path)
+    with pytest.raises(pf.PackedFormatError):
+        pf.verify_archive(path)
