@@ -3,20 +3,26 @@ load them into PyTorch fast and safely with any number of DataLoader workers."""
 
 __version__ = "0.1.0"
 
-from .backends import FORMATS, PACKED_FORMATS, detect_format, open_archive, open_writer
-from .backends.base import Reader, Writer
+from . import backends as _backends
+from .backends import detect_format, open_archive, open_writer
+from .backends.base import FormatSpec, Reader, Writer
 from .convert import ConvertSummary, convert
 from .doctor import diagnose
 from .errors import (
     ArchiveChangedError,
     ArchiveExistsError,
+    ArchiveInUseError,
     ArchiveNotFoundError,
     ClosedArchiveError,
+    ConversionFailedError,
     CorruptArchiveError,
     CorruptSampleError,
+    DestinationError,
     FormatMismatchError,
     IncompleteArchiveError,
+    InsufficientSpaceError,
     InvalidSampleError,
+    InvalidSourceError,
     PackedFormatError,
     SampleIndexError,
     UnknownFormatError,
@@ -24,27 +30,38 @@ from .errors import (
 )
 from .manifest import ArchiveManifest
 from .stage import stage
+from .verify import VerifyReport, verify_archive
 
 __all__ = [
     "FORMATS",
     "PACKED_FORMATS",
     "ArchiveChangedError",
     "ArchiveExistsError",
+    "ArchiveInUseError",
     "ArchiveManifest",
     "ArchiveNotFoundError",
     "ClosedArchiveError",
+    "ConversionFailedError",
     "ConvertSummary",
     "CorruptArchiveError",
     "CorruptSampleError",
+    "DestinationError",
     "FormatMismatchError",
+    "FormatSpec",
     "IncompleteArchiveError",
+    "InsufficientSpaceError",
     "InvalidSampleError",
+    "InvalidSourceError",
     "PackedDataset",
     "PackedFormatError",
+    "PackedLoader",
     "Reader",
+    "ResumableSampler",
     "SampleIndexError",
+    "SkippedSampleWarning",
     "UnknownFormatError",
     "UnsupportedVersionError",
+    "VerifyReport",
     "Writer",
     "convert",
     "detect_format",
@@ -54,18 +71,24 @@ __all__ = [
     "open_writer",
     "stage",
     "transforms",
+    "verify_archive",
 ]
 
 # torch takes seconds to import: what needs it loads on first use, so that
 # `import packed_formats` and `packed-formats info/verify/convert` start quickly.
 _LAZY = {
     "PackedDataset": ".dataset",
+    "PackedLoader": ".loader",
+    "ResumableSampler": ".resume",
+    "SkippedSampleWarning": ".loader",
     "make_loader": ".loader",
     "transforms": ".transforms",
 }
 
 
 def __getattr__(name: str):
+    if name in ("FORMATS", "PACKED_FORMATS"):  # live: formats can be registered at run time
+        return getattr(_backends, name)
     if name in _LAZY:
         import importlib
 
@@ -77,4 +100,4 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | {"FORMATS", "PACKED_FORMATS"})

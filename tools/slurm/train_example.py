@@ -9,20 +9,33 @@ variables and make_loader splits the samples over the ranks).
 
 With --stage-to, every rank calls pf.stage(): the first one on each node copies
 and verifies the archive, the others wait and then read the same local copy.
+
+With --checkpoint FILE, a run starts from FILE when it exists and continues the
+interrupted epoch exactly where it stopped (the loader's state_dict).  FILE is
+written at the end of every epoch and when a stop is asked for: SIGUSR1 (what
+Slurm sends ahead of the time limit with ``#SBATCH --signal=B:USR1@120``,
+passed on by the batch script) or --stop-file appearing.  Then every rank stops
+at the same step, rank 0 saves model, optimizer and loader state (to a temporary
+file, then os.replace: a crash leaves the old checkpoint or the new one, never
+half of one), requeues the job under Slurm (``scontrol requeue``) and all exit.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
+import subprocess
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import packed_formats as pf
-from packed_formats.doctor import processes_per_node, suggested_num_workers, usable_cpus
+from packed_formats.doctor import processes_per_node, suggested_num_workers
+from packed_formats.parallel import available_cores
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -35,7 +48,69 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=None, help="DataLoader workers (default: as doctor suggests)")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--max-batches", type=int, default=None, help="stop each epoch early (smoke tests)")
+    parser.add_argument("--checkpoint", metavar="FILE", help="resume from FILE if it exists; save to it at the "
+                        "end of each epoch, and on SIGUSR1 or --stop-file (then requeue under Slurm and exit)")
+    parser.add_argument("--stop-file", metavar="FILE", help="stop as on SIGUSR1 when FILE appears (a batch script "
+                        "touches it: torchrun does not pass SIGUSR1 on to its processes)")
     return parser.parse_args(argv)
+
+
+class StopRequest:
+    """Whether this run was asked to checkpoint and stop: by SIGUSR1, or by ``stop_file`` appearing."""
+
+    def __init__(self, stop_file: Optional[str] = None) -> None:
+        self.stop_file, self.asked, self._looked = stop_file, False, 0.0
+        signal.signal(signal.SIGUSR1, self._on_signal)  # at once: SIGUSR1's default action ends the process
+
+    def _on_signal(self, signum, frame) -> None:
+        self.asked = True  # acted on at the next step, outside the handler
+
+    def here(self) -> bool:
+        """Asked of this process (the stop file is looked for at most once a second)."""
+        if not self.asked and self.stop_file and time.monotonic() - self._looked >= 1.0:
+            self._looked = time.monotonic()
+            self.asked = os.path.exists(self.stop_file)
+        return self.asked
+
+    def anywhere(self, device: torch.device) -> bool:
+        """Asked of any rank: every rank calls this at every step, so all stop after the same one."""
+        if not dist.is_initialized():
+            return self.here()
+        flag = torch.tensor([int(self.here())], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, loader, totals: dict) -> None:
+    """Model, optimizer and loader state (and the epoch's running totals) to ``path``, atomically."""
+    model = getattr(model, "module", model)  # DDP's wrapped model
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "loader": loader.state_dict(),
+             "totals": totals}
+    temp = f"{path}.tmp-{os.getpid()}"
+    torch.save(state, temp)
+    with open(temp, "rb") as file:
+        os.fsync(file.fileno())  # on disk before it replaces the last good checkpoint
+    os.replace(temp, path)
+
+
+def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, loader, device) -> dict:
+    """Restore what ``save_checkpoint`` saved; return the interrupted epoch's running totals."""
+    state = torch.load(path, map_location=device, weights_only=True)
+    getattr(model, "module", model).load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    loader.load_state_dict(state["loader"])
+    return state["totals"]
+
+
+def requeue() -> None:
+    """Put this Slurm job back in the queue (it restarts from the checkpoint); outside Slurm, say how to resume."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if job is None:
+        print("not under Slurm: run the same command again to resume", flush=True)
+        return
+    done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+    print(f"requeued Slurm job {job}" if done.returncode == 0 else f"scontrol requeue {job} failed: {done.stderr}",
+          flush=True)
 
 
 def setup_distributed() -> torch.device:
@@ -59,7 +134,9 @@ def tiny_cnn(classes: int) -> nn.Module:
 
 
 def make_train_loader(path: str, args: argparse.Namespace, device: torch.device):
-    workers = args.workers if args.workers is not None else suggested_num_workers(usable_cpus(), processes_per_node())
+    workers = args.workers
+    if workers is None:
+        workers = suggested_num_workers(available_cores(), processes_per_node())
     with pf.open_archive(path, verify=False) as reader:
         encoded = reader.mode == "encoded"  # encoded images vary in size: resize them at decode
     return pf.make_loader(
@@ -76,8 +153,9 @@ def make_train_loader(path: str, args: argparse.Namespace, device: torch.device)
 
 
 def train(argv=None) -> float:
-    """Train for --epochs; return the last epoch's mean loss."""
+    """Train for --epochs (the rest of them when resuming); return the last epoch's mean loss."""
     args = parse_args(argv)
+    stop = StopRequest(args.stop_file)
     device = setup_distributed()
     rank = dist.get_rank() if dist.is_initialized() else 0
     path = pf.stage(args.archive, args.stage_to) if args.stage_to else args.archive
@@ -89,24 +167,58 @@ def train(argv=None) -> float:
         ids = [device.index] if device.type == "cuda" else None
         model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    totals = {"loss": 0.0, "batches": 0}  # of the epoch in progress, kept across a resume
+    if args.checkpoint and os.path.exists(args.checkpoint):
+        totals = load_checkpoint(args.checkpoint, model, optimizer, loader, device)
+        if rank == 0:
+            print(f"resumed from {args.checkpoint}: epoch {loader.epoch}, {totals['batches']} batches done",
+                  flush=True)
+    if rank == 0 and args.checkpoint:
+        print(f"process {os.getpid()}: SIGUSR1 saves {args.checkpoint} and stops", flush=True)
     mean_loss = float("nan")
-    for epoch in range(args.epochs):
-        started, total, batches, images = time.perf_counter(), 0.0, 0, 0
+    for epoch in range(loader.epoch, args.epochs):
+        loader.set_epoch(epoch)  # the resumed epoch keeps its place
+        started, images = time.perf_counter(), 0
         for x, y in loader:
             loss = nn.functional.cross_entropy(model(x), y)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            total, batches, images = total + loss.item(), batches + 1, images + len(y)
-            if args.max_batches and batches >= args.max_batches:
+            totals = {"loss": totals["loss"] + loss.item(), "batches": totals["batches"] + 1}
+            images += len(y)
+            if stop.anywhere(device):
+                checkpoint_and_exit(args, rank, model, optimizer, loader, totals)
+            if args.max_batches and totals["batches"] >= args.max_batches:
                 break
-        mean_loss = total / max(1, batches)
+        mean_loss = totals["loss"] / max(1, totals["batches"])
+        totals = {"loss": 0.0, "batches": 0}
         if rank == 0:
             rate = images / (time.perf_counter() - started)
             print(f"epoch {epoch}: loss {mean_loss:.3f}, {rate:.0f} images/s per process on {device}", flush=True)
+            if args.checkpoint and not args.max_batches:  # the loader's state: the start of the next epoch
+                save_checkpoint(args.checkpoint, model, optimizer, loader, totals)
     if dist.is_initialized():
         dist.destroy_process_group()
     return mean_loss
+
+
+def checkpoint_and_exit(args, rank: int, model, optimizer, loader, totals: dict) -> None:
+    """Save (rank 0), wait for every rank, requeue under Slurm (rank 0), and end this process."""
+    if rank == 0:
+        if args.checkpoint:
+            save_checkpoint(args.checkpoint, model, optimizer, loader, totals)
+            print(f"saved {args.checkpoint}: epoch {loader.epoch}, {totals['batches']} batches done", flush=True)
+        else:
+            print("asked to stop, but no --checkpoint to save to", flush=True)
+        if args.stop_file and os.path.exists(args.stop_file):
+            os.remove(args.stop_file)
+    if dist.is_initialized():
+        dist.barrier()
+    if rank == 0 and args.checkpoint:
+        requeue()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    raise SystemExit(0)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,266 @@
+"""Resuming mid-epoch: the saved state of a loader or a sampler, its checks, and ``ResumableSampler``.
+
+A state is a small JSON-serialisable dict: where the epoch stands
+(``sampling.EpochPosition``), the settings that decide the order (seed,
+shuffle, drop_last, batch size, number of samples), an identity of the archive
+and a format version.  Its size does not grow with the dataset.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Iterator, Mapping, Optional, Sized, Union
+
+import torch
+
+from .backends.base import Reader
+from .checksum import array_crc32, crc32
+from .sampling import EpochPosition, rank_and_world_size, shard_indices, share_length
+
+STATE_VERSION = 1  # raise when a state's meaning changes; older states stay readable
+
+POSITION_FIELDS = ("epoch", "start", "world_size", "first_batch")
+
+
+def archive_identity(reader: Reader) -> Dict[str, Any]:
+    """What identifies an archive's samples: count, classes, and a CRC32 of every label.
+
+    Its file name is kept for messages only: a staged or renamed copy is the same archive.
+    """
+    classes = "\n".join(reader.classes).encode()
+    return {
+        "name": os.path.basename(reader.path.rstrip(os.sep)),
+        "count": len(reader),
+        "classes": len(reader.classes),
+        "classes_crc32": crc32(classes),
+        "labels_crc32": array_crc32(reader.labels),
+    }
+
+
+def check_state(state: Any, kind: str, settings: Mapping[str, Any],
+                archive: Optional[Mapping[str, Any]] = None) -> None:
+    """ValueError unless ``state`` is a ``kind`` state of a version this library reads, saved
+    with ``settings`` for ``archive`` (an ``archive_identity``; None: not checked)."""
+    if not isinstance(state, Mapping) or state.get("kind") != kind:
+        found = state.get("kind") if isinstance(state, Mapping) else type(state).__name__
+        raise ValueError(f"not a {kind} state (found {found!r}); pass what {kind}.state_dict() returned")
+    version = state.get("version")
+    if not isinstance(version, int) or version < 1:
+        raise ValueError(f"the {kind} state has no valid version ({version!r})")
+    if version > STATE_VERSION:
+        raise ValueError(
+            f"the {kind} state has version {version}, saved by a newer packed_formats; this one reads "
+            f"versions up to {STATE_VERSION}: upgrade packed_formats to resume from it"
+        )
+    missing = [name for name in (*POSITION_FIELDS, *settings) if name not in state]
+    if missing:
+        raise ValueError(f"the {kind} state lacks {', '.join(missing)}")
+    if archive is not None and state.get("archive") is not None:
+        check_archive(state["archive"], archive)
+    for name, value in settings.items():
+        if state[name] != value:
+            raise ValueError(
+                f"cannot resume: the state was saved with {name}={state[name]!r}, this {kind} has "
+                f"{name}={value!r}; the rest of the epoch would not be the samples the interrupted run "
+                f"had left (use the same {name}, or start the epoch over)"
+            )
+
+
+def check_archive(saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:
+    """ValueError when ``saved`` (a state's archive identity) is not ``current``'s archive."""
+    differ = [k for k in ("count", "classes", "classes_crc32", "labels_crc32") if saved.get(k) != current[k]]
+    if differ:
+        raise ValueError(
+            f"cannot resume: the state was saved for another archive ({saved.get('name')!r}: "
+            f"{saved.get('count')} samples, {saved.get('classes')} classes) than this one "
+            f"({current['name']!r}: {current['count']} samples, {current['classes']} classes); "
+            f"they differ in {', '.join(differ)}"
+        )
+
+
+def position_state(position: EpochPosition, done_name: str) -> Dict[str, int]:
+    """``position`` as state fields (its ``done`` named ``done_name``)."""
+    return {"epoch": position.epoch, "start": position.start, "world_size": position.world_size,
+            "first_batch": position.first_batch, done_name: position.done}
+
+
+def position_from_state(state: Mapping[str, Any], done_name: str, n: int) -> EpochPosition:
+    """The ``EpochPosition`` a checked state holds; ValueError when its numbers are out of range."""
+    if done_name not in state:
+        raise ValueError(f"the state lacks {done_name}")
+    try:
+        fields = {name: int(state[name]) for name in POSITION_FIELDS}
+        position = EpochPosition(done=int(state[done_name]), **fields)
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"the state's position is not a set of integers: {dict(state)!r}") from None
+    if min(position.epoch, position.start, position.done, position.first_batch) < 0 or position.world_size < 1 \
+            or position.start > n:
+        raise ValueError(f"the state's position is out of range for {n} samples: {position}")
+    return position
+
+
+class ResumableSampler(torch.utils.data.Sampler[int]):
+    """``DistributedSampler``'s order, with ``state_dict()``/``load_state_dict()`` to resume mid-epoch.
+
+    For a plain ``DataLoader`` over a ``PackedDataset`` (``make_loader``'s
+    loader resumes on its own).  It yields the same indices as
+    ``torch.utils.data.DistributedSampler(dataset, world_size, rank, shuffle,
+    seed, drop_last)`` after the same ``set_epoch``, so it can replace it.
+
+    Args:
+        dataset_or_len: the dataset (a PackedDataset's archive identity is kept
+            in the state, so a state of another archive is refused) or its length.
+        shuffle, seed, drop_last: as for DistributedSampler.
+        rank, world_size: this process's place (None: torch.distributed's when
+            initialised, else a single process).
+
+    Counting what was consumed: a DataLoader with workers takes indices from
+    the sampler ahead of use (``prefetch_factor`` batches per worker), so what
+    the sampler has yielded is more than the training loop has seen.  Hence
+    ``state_dict(consumed=n)``: n is the number of samples the loop has taken
+    from the DataLoader since this pass over the sampler began (add up
+    ``len(labels)``).  Without ``consumed`` the sampler's own count is used,
+    which is exact only with ``num_workers=0`` (the DataLoader then takes a
+    batch's indices when that batch is asked for) or under
+    ``torchdata.stateful_dataloader.StatefulDataLoader``: it calls this
+    sampler's ``state_dict()`` as it hands out each batch's indices and keeps
+    the state that matches the batch it returns, so
+    ``StatefulDataLoader(dataset, batch_size=B, sampler=ResumableSampler(dataset),
+    num_workers=W)`` resumes exactly with its own ``state_dict()`` /
+    ``load_state_dict()``.
+
+    Resuming on another number of ranks: every rank has consumed the same count
+    c (the split is even), so the first c * world_size positions of the epoch's
+    global order are done; the positions after them are split over the new
+    ranks like DistributedSampler splits an epoch (every remaining sample once,
+    plus up to world_size - 1 repeated with drop_last=False, less the tail with
+    drop_last=True), and later epochs are as on that many ranks from the start.
+    After ``load_state_dict``, ``sampler.epoch`` is the epoch to resume; a
+    ``set_epoch`` with another epoch drops the resume.
+
+    Example::
+
+        sampler = pf.ResumableSampler(dataset, seed=0)
+        loader = DataLoader(dataset, batch_size=256, sampler=sampler, num_workers=8)
+        if resuming:
+            sampler.load_state_dict(checkpoint["sampler"])
+        for epoch in range(sampler.epoch, epochs):
+            sampler.set_epoch(epoch)
+            seen = 0
+            for images, labels in loader:
+                ...
+                seen += len(labels)
+                if must_stop:
+                    save({..., "sampler": sampler.state_dict(consumed=seen)})
+    """
+
+    KIND = "ResumableSampler"
+
+    def __init__(
+        self,
+        dataset_or_len: Union[Sized, int],
+        shuffle: bool = True,
+        seed: int = 0,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        drop_last: bool = False,
+    ) -> None:
+        self._reader = getattr(dataset_or_len, "reader", None)
+        self.n = dataset_or_len if isinstance(dataset_or_len, int) else len(dataset_or_len)
+        if rank is None or world_size is None:
+            this_rank, this_world = rank_and_world_size(None)
+            rank = this_rank if rank is None else rank
+            world_size = this_world if world_size is None else world_size
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
+        self.shuffle, self.seed, self.drop_last = bool(shuffle), int(seed), bool(drop_last)
+        self.rank, self.num_replicas = int(rank), int(world_size)
+        self.epoch = 0
+        self._pending: Optional[EpochPosition] = None  # loaded, for the next pass
+        self._pass: Optional[EpochPosition] = None  # the pass in progress (or the last one)
+        self._yielded = 0  # indices this pass has yielded
+        self._identity: Optional[Dict[str, Any]] = None
+
+    @property
+    def num_samples(self) -> int:
+        """Samples of a whole epoch on this rank (as DistributedSampler's)."""
+        return share_length(self.n, self.num_replicas, self.drop_last)
+
+    @property
+    def total_size(self) -> int:
+        return self.num_samples * self.num_replicas
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use this epoch's order for the next pass (a loaded state of another epoch is dropped)."""
+        self.epoch = int(epoch)
+        if self._pending is not None and self._pending.epoch != self.epoch:
+            self._pending = None
+        if self._pass is not None and self._pass.epoch != self.epoch:
+            self._pass = None  # the last pass is over: the state is this epoch's start
+
+    def __iter__(self) -> Iterator[int]:
+        position = self._pending if self._pending is not None else EpochPosition(self.epoch,
+                                                                                 world_size=self.num_replicas)
+        self._pending, self._pass, self._yielded = None, position, 0
+        order = shard_indices(self.n, epoch=position.epoch, seed=self.seed, shuffle=self.shuffle, rank=self.rank,
+                              world_size=self.num_replicas, drop_last=self.drop_last, start=position.start)
+        return self._count(order[position.done:].tolist())
+
+    def _count(self, indices: list) -> Iterator[int]:
+        for i in indices:
+            self._yielded += 1
+            yield i
+
+    def _split_share(self, position: EpochPosition) -> int:
+        return share_length(self.n - position.start, self.num_replicas, self.drop_last)
+
+    def _settings(self) -> Dict[str, Any]:
+        return {"samples": self.n, "shuffle": self.shuffle, "seed": self.seed, "drop_last": self.drop_last}
+
+    def _archive(self) -> Optional[Dict[str, Any]]:
+        if self._identity is None and isinstance(self._reader, Reader):
+            self._identity = archive_identity(self._reader)
+        return self._identity
+
+    def state_dict(self, consumed: Optional[int] = None) -> Dict[str, Any]:
+        """Where this rank's epoch stands, JSON-serialisable.
+
+        Args:
+            consumed: samples the training loop has taken from the DataLoader
+                since the current pass over this sampler began (None: what the
+                sampler yielded; see the class docstring for when that is exact).
+        """
+        position = self._position(consumed)
+        state: Dict[str, Any] = {"kind": self.KIND, "version": STATE_VERSION, **position_state(position, "consumed")}
+        state.update(self._settings(), rank=self.rank, archive=self._archive())
+        return state
+
+    def _position(self, consumed: Optional[int]) -> EpochPosition:
+        if self._pending is not None or self._pass is None:
+            if consumed:
+                raise ValueError("consumed must be 0 before the sampler has been iterated")
+            return self._pending or EpochPosition(self.epoch, world_size=self.num_replicas)
+        left = self._split_share(self._pass) - self._pass.done
+        taken = self._yielded if consumed is None else int(consumed)
+        if not 0 <= taken <= left:
+            raise ValueError(f"consumed must be in [0, {left}] (this pass's samples), got {consumed}")
+        if taken == left:  # the epoch is over: the next one starts
+            following = self.epoch if self.epoch != self._pass.epoch else self._pass.epoch + 1
+            return EpochPosition(following, world_size=self.num_replicas)
+        p = self._pass
+        return EpochPosition(p.epoch, p.start, p.world_size, p.done + taken, p.first_batch)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Make the next pass continue where ``state`` stopped (ValueError if it cannot)."""
+        check_state(state, self.KIND, self._settings(), self._archive())
+        position = position_from_state(state, "consumed", self.n).moved_to(self.num_replicas, self.n, 1)
+        if position.done >= self._split_share(position):
+            position = EpochPosition(position.epoch + 1, world_size=self.num_replicas)
+        self._pending, self._pass, self.epoch = position, None, position.epoch
+
+    def __repr__(self) -> str:
+        return (f"ResumableSampler({self.n} samples, rank {self.rank} of {self.num_replicas}, "
+                f"epoch {self.epoch}, shuffle={self.shuffle}, seed={self.seed}, drop_last={self.drop_last})")

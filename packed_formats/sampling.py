@@ -1,0 +1,248 @@
+"""Which samples, in which order, on which rank, and the seeds of each batch's randomness.
+
+A ``BatchSampler`` yields one ``BatchPlan`` (epoch, batch number, sample
+indices) per batch of this rank's share of an epoch.  Orders follow
+``DistributedSampler`` (``shard_indices``).  Randomness comes from seeds mixed
+from (seed, epoch, rank, batch number): reproducible, distinct per batch,
+epoch and rank, and independent of how many workers make the batches.  An
+``EpochPosition`` says how far an epoch has come, so that it can be continued
+exactly, on the same number of ranks or on another.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import warnings
+from dataclasses import dataclass
+from typing import Iterator, NamedTuple, Optional, Tuple
+
+import numpy as np
+import torch
+
+
+class BatchPlan(NamedTuple):
+    """One batch to make: its epoch, its number within the epoch, and its sample indices."""
+
+    epoch: int
+    number: int
+    indices: np.ndarray
+
+
+# ---- order ------------------------------------------------------------------------------------------
+def epoch_order(n: int, *, epoch: int = 0, seed: int = 0, shuffle: bool = True) -> np.ndarray:
+    """The epoch's global order of all ``n`` samples, the same on every rank.
+
+    ``torch.randperm`` seeded with ``seed + epoch`` (as ``DistributedSampler``), or 0..n-1.
+    """
+    if shuffle:
+        return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).numpy()
+    return np.arange(n, dtype=np.int64)
+
+
+def split_order(order: np.ndarray, *, rank: int = 0, world_size: int = 1, drop_last: bool = False) -> np.ndarray:
+    """Rank ``rank``'s share of ``order``, exactly as ``DistributedSampler`` splits a dataset.
+
+    With several ranks and ``drop_last=False`` the order is padded by repeating
+    its first items until it divides evenly, so up to ``world_size - 1`` items
+    are seen twice; with ``drop_last=True`` the tail is dropped instead.  Rank r
+    takes every world_size-th item from r.
+    """
+    if world_size <= 1:
+        return order
+    n = len(order)
+    if drop_last:
+        order = order[: (n // world_size) * world_size]
+    else:
+        total = math.ceil(n / world_size) * world_size
+        order = np.concatenate([order, np.resize(order, total - n)]) if total > n else order
+    return order[rank::world_size]
+
+
+def share_length(n: int, world_size: int, drop_last: bool) -> int:
+    """How many items ``split_order`` gives each rank of ``n``."""
+    if world_size <= 1:
+        return n
+    return n // world_size if drop_last else math.ceil(n / world_size)
+
+
+def shard_indices(
+    n: int, *, epoch: int = 0, seed: int = 0, shuffle: bool = True, rank: int = 0, world_size: int = 1,
+    drop_last: bool = False, start: int = 0,
+) -> np.ndarray:
+    """This rank's sample order for one epoch, exactly as ``DistributedSampler`` gives it.
+
+    Every rank draws the same global order (``epoch_order``) and takes its
+    share (``split_order``: interleaved, padded or cut to divide evenly).
+    ``start`` > 0 splits only the global order's positions from ``start`` on:
+    the rest of an epoch resumed on another number of ranks (``EpochPosition``).
+    """
+    return split_order(epoch_order(n, epoch=epoch, seed=seed, shuffle=shuffle)[start:], rank=rank,
+                       world_size=world_size, drop_last=drop_last)
+
+
+def batch_count(items: int, batch_size: int, drop_last: bool) -> int:
+    """Batches of ``batch_size`` made of ``items`` (drop_last: without the short last one)."""
+    return items // batch_size if drop_last else math.ceil(items / batch_size)
+
+
+@dataclass
+class EpochPosition:
+    """How far an epoch has come on this rank: enough to continue it exactly.
+
+    The epoch's global order (``epoch_order``) is split over ``world_size``
+    ranks from its position ``start`` on (``shard_indices``), and each rank has
+    delivered the first ``done`` steps of its share (a step is a batch for a
+    loader, a sample for a sampler).  ``first_batch`` numbers the split's first
+    batch, so batches keep the numbers (and so the random draws) they had.
+    A fresh epoch is ``EpochPosition(epoch, world_size=...)``.
+    """
+
+    epoch: int
+    start: int = 0
+    world_size: int = 1
+    done: int = 0
+    first_batch: int = 0
+
+    def positions_done(self, n: int, step: int) -> int:
+        """Positions of the global order (of ``n``) that some rank has delivered.
+
+        Rank r's i-th item is the split's position r + i*world_size, so after
+        ``done`` steps of ``step`` items on every rank the split's first
+        done*step*world_size positions are done (the padding lies beyond ``n``).
+        """
+        return min(n, self.start + self.done * step * self.world_size)
+
+    def moved_to(self, world_size: int, n: int, step: int) -> "EpochPosition":
+        """The same progress as a split over ``world_size`` ranks: the positions not yet done, split anew.
+
+        Same world size: unchanged (each rank continues its own share).  Other
+        world size: a new split from the first position no rank has delivered,
+        its batches numbered on from the ones done.
+        """
+        if world_size == self.world_size:
+            return self
+        return EpochPosition(self.epoch, self.positions_done(n, step), world_size, 0, self.first_batch + self.done)
+
+
+class BatchSampler(torch.utils.data.Sampler):
+    """Yields one ``BatchPlan`` per batch of this rank's share of an epoch.
+
+    ``epoch`` says which epoch the next iteration plans; the caller sets it.
+    ``start``, ``first_batch`` and ``skip`` continue an interrupted epoch: the
+    share is split from the global order's position ``start`` on
+    (``shard_indices``), batches are numbered from ``first_batch``, and the
+    first ``skip`` of them are left out (they were delivered before).
+    """
+
+    def __init__(self, n: int, batch_size: int, shuffle: bool, drop_last: bool, seed: int, rank: int,
+                 world_size: int) -> None:
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        self.n, self.batch_size, self.shuffle, self.drop_last = n, batch_size, shuffle, drop_last
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.epoch = 0
+        self.start, self.first_batch, self.skip = 0, 0, 0
+
+    def place(self, position: EpochPosition) -> None:
+        """Plan the next iteration from ``position`` (of this sampler's world size)."""
+        self.epoch, self.start = position.epoch, position.start
+        self.first_batch, self.skip = position.first_batch, position.done
+
+    def _order(self) -> np.ndarray:
+        return shard_indices(
+            self.n, epoch=self.epoch, seed=self.seed, shuffle=self.shuffle, rank=self.rank,
+            world_size=self.world_size, drop_last=self.drop_last, start=self.start,
+        )
+
+    def __iter__(self) -> Iterator[BatchPlan]:
+        order, bs = self._order(), self.batch_size
+        starts = range(0, batch_count(len(order), bs, self.drop_last) * bs, bs)
+        return iter([
+            BatchPlan(self.epoch, self.first_batch + k, order[s : s + bs])
+            for k, s in enumerate(starts) if k >= self.skip
+        ])
+
+    def split_batches(self, start: int = 0) -> int:
+        """Batches of this rank's share of a split from position ``start`` (0: a whole epoch)."""
+        share = share_length(max(0, self.n - start), self.world_size, self.drop_last)
+        return batch_count(share, self.batch_size, self.drop_last)
+
+    def __len__(self) -> int:
+        """Batches the next iteration yields."""
+        return max(0, self.split_batches(self.start) - self.skip)
+
+
+def rank_and_world_size(distributed: Optional[bool]) -> Tuple[int, int]:
+    """(rank, world size) of this process: torch.distributed's when ``distributed`` (None: when it
+    is initialised), else (0, 1).  ValueError when asked for before it is initialised.
+
+    With ``distributed=None``, a launcher's WORLD_SIZE > 1 but no process group gives one
+    ``UnshardedWarning``: every rank would then read every sample.
+    """
+    ready = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if distributed is None:
+        distributed = ready
+        if not ready:
+            _warn_if_launched()
+    if not distributed:
+        return 0, 1
+    if not ready:
+        raise ValueError("distributed=True needs torch.distributed.init_process_group() to be called first")
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+class UnshardedWarning(UserWarning):
+    """A launcher started several ranks, but the loader found no process group: it is not sharded."""
+
+
+_warned_unsharded = False
+
+
+def _warn_if_launched() -> None:
+    global _warned_unsharded
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return
+    if world > 1 and not _warned_unsharded:
+        _warned_unsharded = True
+        warnings.warn(
+            UnshardedWarning(
+                f"WORLD_SIZE={world} says a launcher started several ranks, but torch.distributed has no process "
+                "group yet: every rank reads every sample.  Call torch.distributed.init_process_group() before "
+                "iterating (the loader splits samples when an epoch starts), or pass distributed=False to mean it."
+            ),
+            stacklevel=4,
+        )
+
+
+# ---- seeds ------------------------------------------------------------------------------------------
+def batch_seed(seed: int, epoch: int, rank: int, number: int) -> int:
+    """A 64-bit seed for one batch, mixed from (seed, epoch, rank, batch number)."""
+    state = np.random.SeedSequence([seed, epoch, rank, number]).generate_state(2, dtype=np.uint32)
+    return int(state[0]) << 32 | int(state[1])
+
+
+def batch_generator(seed: int, epoch: int, rank: int, number: int) -> torch.Generator:
+    """The CPU generator for one batch's random transforms."""
+    return torch.Generator().manual_seed(batch_seed(seed, epoch, rank, number))
+
+
+def seed_globals(seed: int) -> None:
+    """Seed this process's global RNGs (random, numpy, torch) for user callables."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class WorkerInit:
+    """A picklable ``worker_init_fn`` (spawn and forkserver need one)."""
+
+    def __init__(self, seed: int, rank: int) -> None:
+        self.seed, self.rank = seed, rank
+
+    def __call__(self, worker_id: int) -> None:
+        """Give each worker distinct global RNG states before its first batch."""
+        seed_globals(int(np.random.SeedSequence([self.seed, self.rank, worker_id, 0x5EED]).generate_state(1)[0]))
