@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -62,6 +63,30 @@ def test_ranks_split_each_epoch_disjointly_and_cover_the_archive(torchrun_result
         assert len(ranks[0][path]["epochs"][epoch]) == n // 2
     assert ranks[0][path]["epochs"][0] != ranks[0][path]["epochs"][1]  # reshuffled per epoch
     assert ranks[0][path]["len"] == math.ceil(n / 2 / 5)
+
+
+@pytest.mark.slow
+def test_a_loader_built_before_the_process_group_is_sharded_when_it_iterates(torchrun_result, archives):
+    ranks, _ = torchrun_result
+    path = archives[ALL_KINDS[0]]
+    for epoch in (0, 1):
+        early = [r[path + "#built-early"]["epochs"][epoch] for r in ranks]
+        assert early == [r[path]["epochs"][epoch] for r in ranks]  # as if built after init_process_group
+        assert not set(early[0]) & set(early[1])
+    assert ranks[0][path + "#built-early"]["len"] == ranks[0][path]["len"]
+
+
+def test_under_a_launcher_without_a_process_group_the_loader_warns_once(uniform_archives, monkeypatch):
+    from packed_formats import sampling
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(sampling, "_warned_unsharded", False)
+    loader = pf.make_loader(uniform_archives[("memmap", "raw")], batch_size=8, num_workers=0)
+    with pytest.warns(sampling.UnshardedWarning, match="WORLD_SIZE=2"):
+        list(loader)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sampling.UnshardedWarning)
+        list(loader)  # once per process
 
 
 @pytest.mark.slow

@@ -44,6 +44,7 @@ def test_workers_return_the_same_batches_as_the_main_process(uniform_archives, f
         assert torch.equal(a, b) and torch.equal(la, lb)
 
 
+@pytest.mark.slow
 def test_spawned_workers_read_and_transform_alike(uniform_archives):
     path = uniform_archives[("hdf5", "encoded")]
     options = dict(batch_size=8, transform=T.train(16), seed=1)
@@ -116,7 +117,8 @@ def global_rng_noise(batch: torch.Tensor) -> torch.Tensor:
 
 
 def test_global_rng_of_workers_is_distinct_per_batch_and_epoch(ramp_archive):
-    loader = pf.make_loader(ramp_archive, batch_size=4, num_workers=2, transform=global_rng_noise)
+    noise = pf.transforms.Batched(global_rng_noise)  # it draws one number per image of the batch itself
+    loader = pf.make_loader(ramp_archive, batch_size=4, num_workers=2, transform=noise)
     draws = [tuple(noise.tolist()) for _ in range(2) for noise, _ in loader]
     assert len(set(draws)) == len(draws) == 8
 
@@ -262,3 +264,9 @@ def test_cuda_prefetch_survives_slow_consumers(uniform_archives):
     for (images, _), want in zip(loader, expected):
         torch.cuda._sleep(10_000_000)  # keep the consumer stream busy while copies run ahead
         assert torch.equal(images.cpu(), want)
+
+
+def test_the_loader_and_its_warning_are_exported_at_the_top(uniform):
+    loader = pf.make_loader(uniform, batch_size=4, num_workers=0)
+    assert isinstance(loader, pf.PackedLoader) and pf.SkippedSampleWarning is SkippedSampleWarning
+    assert {"PackedLoader", "SkippedSampleWarning"} <= set(pf.__all__)

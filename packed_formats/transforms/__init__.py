@@ -17,6 +17,7 @@ from .functional import UINT8_TO_UNIT, gathered_crops, resized_crops
 from .ops import (
     IMAGENET_MEAN,
     IMAGENET_STD,
+    Batched,
     BatchTransform,
     CenterCrop,
     Compose,
@@ -29,6 +30,8 @@ from .ops import (
     Size,
     ToFloat,
     apply_transform,
+    is_batch_transform,
+    per_sample,
 )
 from .presets import train, val
 
@@ -37,6 +40,7 @@ __all__ = [
     "IMAGENET_STD",
     "UINT8_TO_UNIT",
     "BatchTransform",
+    "Batched",
     "CenterCrop",
     "Compose",
     "CropFlipNormalize",
@@ -49,6 +53,8 @@ __all__ = [
     "ToFloat",
     "apply_transform",
     "gathered_crops",
+    "is_batch_transform",
+    "per_sample",
     "resized_crops",
     "train",
     "val",

@@ -68,17 +68,74 @@ class BatchTransform(nn.Module):
         raise NotImplementedError
 
 
+class Batched:
+    """Marks a callable as taking whole ``[B,C,H,W]`` batches: ``make_loader(transform=Batched(fn))``.
+
+    Without it, a callable that is not a ``BatchTransform`` (a torchvision
+    pipeline, say) is applied to each image of the batch on its own, so that
+    its random crop or flip is drawn per image, never once for a whole batch.
+    """
+
+    is_batch_transform = True
+
+    def __init__(self, function: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.function = function
+
+    def __call__(self, batch: torch.Tensor) -> torch.Tensor:
+        return self.function(batch)
+
+    def __repr__(self) -> str:
+        return f"Batched({self.function!r})"
+
+
+def is_batch_transform(transform: Callable) -> bool:
+    """Whether ``transform`` takes whole batches: one of ours, or marked ``is_batch_transform = True`` (``Batched``)."""
+    return isinstance(transform, BatchTransform) or getattr(transform, "is_batch_transform", False) is True
+
+
 def apply_transform(
     transform: Callable, batch: torch.Tensor, generator: Optional[torch.Generator] = None,
     allocate: Optional[Allocate] = None,
 ) -> torch.Tensor:
-    """``transform(batch)``, passing ``generator`` and ``allocate`` to a ``BatchTransform``
-    (``allocate`` only where its ``forward`` takes it)."""
+    """``transform`` on a batch: a batch transform gets the whole batch (and ``generator`` and
+    ``allocate`` where its ``forward`` takes them); any other callable gets one image at a time
+    (its randomness then per image, at the cost of a Python call per image)."""
     if not isinstance(transform, BatchTransform):
-        return transform(batch)
+        if getattr(transform, "is_batch_transform", False) is True:
+            return transform(batch)
+        return per_sample(transform, batch)
     if allocate is None or not _takes_allocate(transform):
         return transform(batch, generator=generator)
     return transform(batch, generator=generator, allocate=allocate)
+
+
+def per_sample(transform: Callable, batch: torch.Tensor) -> torch.Tensor:
+    """``transform`` applied to each [C,H,W] image of ``batch``, the results stacked into a batch."""
+    outputs = []
+    for image in batch:
+        try:
+            output = transform(image)
+        except TypeError as exc:
+            raise TypeError(
+                f"the transform {transform!r} failed on a uint8 [C,H,W] tensor ({exc}); make_loader gives each "
+                "image as a tensor, so use tensor transforms (pf.transforms, or torchvision.transforms.v2 with "
+                "ToDtype instead of ToTensor), or wrap a callable that takes whole batches in pf.transforms.Batched"
+            ) from exc
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(
+                f"the transform {transform!r} returned {type(output).__name__}, not a tensor: make_loader stacks "
+                "each image's result into a batch"
+            )
+        outputs.append(output)
+    if not outputs:
+        return batch
+    shapes = {tuple(o.shape) for o in outputs}
+    if len(shapes) > 1:
+        raise ValueError(
+            f"the transform {transform!r} gave images of different shapes {sorted(shapes)}: end it with a crop or "
+            "resize to one size so that they stack into a batch"
+        )
+    return torch.stack(outputs)
 
 
 def _takes_allocate(transform: BatchTransform) -> bool:
