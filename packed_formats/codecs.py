@@ -102,8 +102,26 @@ def decode(data: bytes, channels: int = 3) -> np.ndarray:
     return pil_to_array(image, channels)
 
 
+_HIGH_BIT_DEPTH = ("I;16", "I;16L", "I;16B", "I;16N", "I")
+
+
+def to_8bit(image: Image.Image) -> Image.Image:
+    """A 16-bit (or 32-bit integer) greyscale image scaled to 8 bits ("L"); other images unchanged.
+
+    Pillow's own ``convert`` clips such values at 255 instead of scaling them,
+    which turns a 16-bit PNG almost white.
+    """
+    if image.mode not in _HIGH_BIT_DEPTH:
+        return image
+    values = np.asarray(image)
+    top = 65535 if image.mode != "I" or values.max(initial=0) <= 65535 else int(values.max())
+    scaled = (values.astype(np.float64) * (255.0 / top) + 0.5).astype(np.uint8)
+    return Image.fromarray(scaled, "L")
+
+
 def pil_to_array(image: Image.Image, channels: int = 3) -> np.ndarray:
     mode = _CHANNEL_MODE[channels]
+    image = to_8bit(image)
     if image.mode != mode:
         image = image.convert(mode)
     array = np.asarray(image, dtype=np.uint8)

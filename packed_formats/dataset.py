@@ -106,7 +106,7 @@ class PackedDataset(torch.utils.data.Dataset):
                 if isinstance(stored, np.ndarray):
                     return Image.fromarray(stored[:, :, 0] if channels == 1 else stored)
                 image = codecs.open_image(stored)
-                return image.convert("L" if channels == 1 else "RGB")
+                return codecs.to_8bit(image).convert("L" if channels == 1 else "RGB")
             pixels = stored if isinstance(stored, np.ndarray) else policy.decode(stored, channels)
         except codecs.DecodeError as exc:
             raise self.reader.sample_error(i, str(exc)) from None

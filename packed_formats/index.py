@@ -40,7 +40,7 @@ class SampleIndex:
         return len(self.labels)
 
     def key(self, i: int) -> str:
-        return self.keys[i].decode("utf-8", "replace")
+        return decode_key(self.keys[i])
 
     def arrays(self) -> Dict[str, np.ndarray]:
         """The arrays to store, by name (absent ones left out)."""
@@ -66,9 +66,18 @@ def _optional(arrays: Dict[str, np.ndarray], name: str, dtype) -> Optional[np.nd
     return None if name not in arrays else np.asarray(arrays[name], dtype=dtype)
 
 
+def decode_key(raw: bytes) -> str:
+    """A stored key as the file system gave it (bytes that are not UTF-8 surrogate-escaped, as ``os.listdir``)."""
+    return raw.decode("utf-8", "surrogateescape")
+
+
 def encode_keys(keys: Sequence[str]) -> np.ndarray:
-    """UTF-8 keys as a fixed-width bytes array (at least 1 byte wide)."""
-    encoded = [k.encode("utf-8") for k in keys]
+    """UTF-8 keys as a fixed-width bytes array (at least 1 byte wide).
+
+    A name that is not valid UTF-8 (surrogate-escaped by Python, as ``os.listdir``
+    returns it) is stored as its original bytes, so the key round-trips.
+    """
+    encoded = [k.encode("utf-8", "surrogateescape") for k in keys]
     width = max([1] + [len(k) for k in encoded])
     return np.array(encoded, dtype=f"S{width}")
 

@@ -73,6 +73,7 @@ def decode(
     else:
         gap = 1.0 if reducing_gap is None else reducing_gap
         image = codecs.open_image(data, draft=lambda stored: (mode, decode_size(stored, size, resize_mode, gap)))
+    image = codecs.to_8bit(image)
     if image.mode != mode:
         image = image.convert(mode)
     if size is not None:

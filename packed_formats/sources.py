@@ -18,7 +18,7 @@ from .backends import detect_format, open_archive
 from .backends.base import Reader
 from .backends.folder import is_image_file, scan_image_folder
 from .errors import ArchiveNotFoundError, CorruptSampleError, InvalidSourceError, UnknownFormatError
-from .index import encode_keys
+from .index import decode_key, encode_keys
 
 
 @dataclasses.dataclass
@@ -41,7 +41,7 @@ class Source:
         return len(self.labels)
 
     def key(self, i: int) -> str:
-        return self.keys[i].decode("utf-8", "replace")
+        return decode_key(self.keys[i])
 
     @property
     def raw_shape(self) -> Optional[Tuple[int, int, int]]:

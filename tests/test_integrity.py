@@ -165,3 +165,40 @@ def test_a_damaged_index_or_manifest_is_named_on_open_and_by_verify(archives, tm
         pf.PackedDataset(path)
     with pytest.raises(pf.PackedFormatError):
         pf.verify_archive(path)
+
+
+# ---- image content: bit depth ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["raw", "encoded"])
+def test_a_16_bit_png_converts_to_its_8_bit_values_not_to_white(tmp_path, mode):
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    ramp = np.linspace(0, 65535, 64).astype(np.uint16).reshape(8, 8)
+    root = tmp_path / "src"
+    (root / "a").mkdir(parents=True)
+    buffer = io.BytesIO()
+    Image.fromarray(ramp).save(buffer, "PNG")
+    (root / "a" / "ramp.png").write_bytes(buffer.getvalue())
+    pf.convert(root, tmp_path / "out.memmap", mode=mode, size=8 if mode == "raw" else None, workers=1, quiet=True)
+    image = pf.PackedDataset(tmp_path / "out.memmap", output="numpy")[0][0]
+    expected = (ramp / 257.0).round()
+    assert np.abs(image[:, :, 0].astype(float) - expected).max() <= 1
+    assert abs(float(image.mean()) - float(expected.mean())) < 1  # not near-white
+
+
+def test_file_names_that_are_not_utf8_round_trip_as_keys(tmp_path):
+    from packed_formats.synthetic import make_image_folder
+
+    root = make_image_folder(tmp_path / "s", images_per_class=2, classes=("a",), sizes=(20, 30), seed=5)
+    first = sorted(os.listdir(os.path.join(root, "a")))[0]
+    odd = os.fsdecode(b"caf\xe9-latin1.jpg")  # a Latin-1 name: not valid UTF-8
+    os.rename(os.path.join(root, "a", first), os.path.join(root, "a", odd))
+    folder = pf.PackedDataset(root)
+    keys = [folder.key(i) for i in range(len(folder))]
+    assert os.path.join("a", odd) in keys
+    pf.convert(root, tmp_path / "out.zip", workers=1, quiet=True)
+    packed = pf.PackedDataset(tmp_path / "out.zip")
+    assert [packed.key(i) for i in range(len(packed))] == keys
+    assert os.path.exists(os.path.join(root, packed.key(keys.index(os.path.join("a", odd)))))

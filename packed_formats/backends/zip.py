@@ -20,7 +20,7 @@ from ..errors import ArchiveNotFoundError, CorruptArchiveError, IncompleteArchiv
 from ..index import SampleIndex, from_npy_bytes, npy_bytes
 from ..manifest import ArchiveManifest
 from . import mapped
-from .base import Backend, FormatSpec, Handle, Writer
+from .base import DAMAGED_HINT, Backend, FormatSpec, Handle, Writer
 
 MANIFEST = "manifest.json"
 INDEX_DIR = "index/"
@@ -114,6 +114,8 @@ class ZipBackend(Backend[ZipHandle]):
         except FileNotFoundError:
             raise ArchiveNotFoundError(path, "no such file") from None
         except zipfile.BadZipFile as exc:
+            if "CRC" in str(exc):  # a metadata member fails ZIP's own checksum: damaged, not unfinished
+                raise CorruptArchiveError(path, f"the archive index is damaged ({exc})", hint=DAMAGED_HINT) from None
             raise IncompleteArchiveError(
                 path, f"not a complete ZIP file ({exc})", hint="the file is truncated or its writer was killed"
             ) from None
