@@ -137,5 +137,9 @@ class InvalidSourceError(PackedFormatError):
     """
 
 
+class DataLoaderWorkerError(PackedFormatError):
+    """A DataLoader worker process died (killed by a signal, often the out-of-memory killer)."""
+
+
 class ConversionFailedError(PackedFormatError):
     """A conversion stopped for a reason outside any one sample (e.g. a worker process was killed)."""

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
+import time
 import warnings
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -20,6 +22,7 @@ import torch
 from .backends import open_archive
 from .backends.base import Reader
 from .device import CudaPrefetcher, copy_then_transform, resolve_device
+from .errors import DataLoaderWorkerError
 from .memory import SlotPool
 from .policy import ON_ERROR, VERIFY_POLICIES, Skipped, SkippedSampleWarning, VerifyPolicy, check_on_error, check_verify
 from .resume import STATE_VERSION, archive_identity, check_state, position_from_state, position_state
@@ -161,7 +164,7 @@ class PackedLoader:
         return self._pass
 
     def _host_batches(self, batches: Iterator, first: int, numbers: List[int]) -> Iterator[Batch]:
-        for number, (images, labels, skipped) in enumerate(batches, first):
+        for number, (images, labels, skipped) in enumerate(_naming_dead_workers(batches, self.reader.path), first):
             if skipped:
                 self._warn(skipped)
             if len(labels):
@@ -354,6 +357,50 @@ def make_loader(
     return PackedLoader(
         batch_reader, sampler, loader, device, None if on_cpu else transform, prefetch, distributed, placement
     )
+
+
+def _naming_dead_workers(batches: Iterator, path: str) -> Iterator:
+    """``batches``, with the failure a killed worker causes (torch's RuntimeError, or a
+    ConnectionResetError when it died while handing a batch over) named as a ``DataLoaderWorkerError``:
+    which worker, its pid and the signal."""
+    while True:
+        try:
+            item = next(batches)
+        except StopIteration:
+            return
+        except (RuntimeError, ConnectionError, EOFError) as exc:
+            looks_dead = not isinstance(exc, RuntimeError) or "DataLoader worker" in str(exc)
+            dead = _killed_workers(batches) if looks_dead else []
+            if not dead:
+                raise
+            what = "; ".join(f"worker {k}, pid {pid}, killed by {_signal_name(-code)}" for k, pid, code in dead)
+            raise DataLoaderWorkerError(
+                path, f"a DataLoader worker died: {what}",
+                hint="SIGKILL is often the out-of-memory killer: try fewer workers or a smaller batch",
+            ) from exc
+        yield item
+
+
+def _killed_workers(batches: Iterator, wait: float = 2.0) -> List[Tuple[int, int, int]]:
+    """(worker id, pid, exit code) of the iterator's workers a signal ended, waiting up to ``wait``
+    seconds for a dying one to be reaped.  torch's SIGCHLD handler may raise meanwhile: ignored."""
+    workers = list(getattr(batches, "_workers", ()))
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            dead = [(k, p.pid, p.exitcode) for k, p in enumerate(workers) if (p.exitcode or 0) < 0]
+            if dead or not workers or time.monotonic() > deadline:
+                return dead
+            time.sleep(0.02)
+        except RuntimeError:  # the handler reporting the same death in this thread
+            continue
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def _already_a_batch(item: Any) -> Any:

@@ -202,3 +202,18 @@ def test_file_names_that_are_not_utf8_round_trip_as_keys(tmp_path):
     packed = pf.PackedDataset(tmp_path / "out.zip")
     assert [packed.key(i) for i in range(len(packed))] == keys
     assert os.path.exists(os.path.join(root, packed.key(keys.index(os.path.join("a", odd)))))
+
+
+# ---- a dead worker is named -------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", [("memmap", "raw"), ("zip", "encoded")], ids=kind_id)
+def test_a_killed_make_loader_worker_is_reported_by_number_pid_and_signal(uniform_archives, kind):
+    import signal
+
+    loader = pf.make_loader(uniform_archives[kind], batch_size=2, num_workers=2, shuffle=False)
+    batches = iter(loader)
+    next(batches)
+    victim = loader.dataloader._iterator._workers[1].pid  # torch's worker processes (persistent)
+    with pytest.raises(pf.DataLoaderWorkerError, match=rf"worker 1, pid {victim}, killed by SIGKILL"):
+        os.kill(victim, signal.SIGKILL)  # torch notices in the main thread: here, inside the loop
+        for _ in batches:
+            pass
