@@ -9,6 +9,7 @@ would otherwise hand the child the parent's file id.
 
 from __future__ import annotations
 
+import errno
 import os
 from typing import Any, Callable, Optional, Tuple
 
@@ -79,6 +80,7 @@ class HDF5Writer(Writer):
             self._data.resize(self._capacity, axis=0)
 
     def append(self, blob: bytes, i: int) -> int:
+        _ensure_room(self.temp_path, len(blob))
         array = np.frombuffer(blob, dtype=np.uint8)
         if self.mode == "raw":
             self._grow(i + 1)
@@ -90,6 +92,7 @@ class HDF5Writer(Writer):
         return -1
 
     def finish(self, index: SampleIndex, manifest: ArchiveManifest) -> None:
+        _ensure_room(self.temp_path, sum(a.nbytes for a in index.arrays().values()) + len(manifest.to_json()))
         self._data.resize(len(index) if self.mode == "raw" else self._filled, axis=0)
         for name, array in index.arrays().items():
             self._file.create_dataset(name, data=array)
@@ -101,6 +104,20 @@ class HDF5Writer(Writer):
             self._file.close()
         except Exception:
             pass
+
+
+ROOM_MARGIN = 8 << 20  # what HDF5 may hold in its caches and metadata besides the bytes written so far
+
+
+def _ensure_room(path: str, nbytes: int) -> None:
+    """OSError(ENOSPC) before HDF5 writes ``nbytes`` where they no longer fit: HDF5 itself, when the
+    disk fills up under it, can leave objects that crash the process when they are collected."""
+    try:
+        st = os.statvfs(os.path.dirname(os.path.abspath(path)))
+    except OSError:
+        return
+    if st.f_bavail * st.f_frsize < nbytes + ROOM_MARGIN:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
 
 
 def _open_file(path: str) -> h5py.File:

@@ -9,6 +9,7 @@ environment inherited through fork is closed in the child before reopening
 
 from __future__ import annotations
 
+import errno
 import os
 from typing import List, Optional, Tuple
 
@@ -57,6 +58,8 @@ class LMDBWriter(Writer):
                 return
             except lmdb.MapFullError:  # grow outside any transaction and retry the batch
                 self._env.set_mapsize(2 * self._env.info()["map_size"])
+            except lmdb.Error as exc:  # LMDB reports a full disk as an I/O error: say which
+                raise _write_failure(self.temp_path, exc) from None
 
     def finish(self, index: SampleIndex, manifest: ArchiveManifest) -> None:
         self._commit(self._pending)
@@ -73,6 +76,17 @@ class LMDBWriter(Writer):
 
 
 READAHEAD_MIN_BYTES = 64 << 10
+
+
+def _write_failure(path: str, exc: "lmdb.Error") -> OSError:
+    """An OSError for a failed LMDB write: ENOSPC when the file system is (nearly) full, else EIO."""
+    try:
+        st = os.statvfs(os.path.dirname(os.path.abspath(path)))
+        full = st.f_bavail * st.f_frsize < (4 << 20)
+    except OSError:
+        full = False
+    code = errno.ENOSPC if full else errno.EIO
+    return OSError(code, f"{os.strerror(code)} (LMDB: {exc})", path)
 
 
 def wants_readahead(manifest: Optional[ArchiveManifest]) -> bool:
