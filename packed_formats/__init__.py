@@ -61,7 +61,9 @@ __all__ = [
     "ResumableSampler",
     "SampleIndexError",
     "SkippedSampleWarning",
+    "SourceWarning",
     "UnknownFormatError",
+    "UnpicklingWarning",
     "UnsupportedVersionError",
     "VerifyReport",
     "Writer",
@@ -83,6 +85,8 @@ _LAZY = {
     "PackedLoader": ".loader",
     "ResumableSampler": ".resume",
     "SkippedSampleWarning": ".loader",
+    "SourceWarning": ".sources.base",
+    "UnpicklingWarning": ".sources.base",
     "make_loader": ".loader",
     "transforms": ".transforms",
 }

@@ -21,7 +21,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -43,7 +43,7 @@ from .manifest import MODES
 from .parallel import WorkerDiedError, available_cores, ordered_map
 from .policy import RESIZE_MODES
 from .prepare import Recipe, parse_size
-from .sources import Source, open_source
+from .sources import Source, SourcePath, open_source
 from .space import check_free_space, disk_usage, human_bytes
 
 ON_ERROR = ("raise", "skip")
@@ -93,7 +93,7 @@ class ConvertSummary:
 
 
 def convert(
-    src: "str | os.PathLike[str]",
+    src: SourcePath,
     dst: "str | os.PathLike[str]",
     *,
     format: Optional[str] = None,
@@ -108,8 +108,23 @@ def convert(
     overwrite: bool = False,
     on_error: str = "raise",
     quiet: bool = False,
+    subdir: Optional[str] = None,
+    source_format: Optional[str] = None,
+    label_key: Optional[str] = None,
+    image_key: Optional[str] = None,
+    allow_pickle: bool = False,
 ) -> ConvertSummary:
-    """Pack ``src`` (ImageFolder tree, flat folder + ``labels`` file, or archive) into ``dst``.
+    """Pack ``src`` into ``dst``, reading ``src`` where it is (nothing is extracted).
+
+    ``src`` is an ImageFolder tree, a flat folder + ``labels`` file, an
+    archive of ours, or a dataset in the container it came in: a ZIP or tar
+    (.tar, .tar.gz, .tar.bz2, .tar.xz) of an ImageFolder tree or with a
+    stylegan2-ada dataset.json, a tar of per-class tars, webdataset shards (a
+    list or a brace pattern such as ``shards-{000..009}.tar``), an HDF5 file
+    of images + labels, an LMDB of pickled records, or a CSV/JSON list of
+    ``path,label``.  The kind is found from the content (see
+    ``packed_formats.sources``); samples, keys and labels are those of the
+    extracted folder.
 
     Args:
         format: zip, hdf5, lmdb or memmap (default: from dst's extension).
@@ -123,6 +138,12 @@ def convert(
         shard_size: write parts of this many samples plus an index at ``dst``.
         on_error: "raise" stops at the first unreadable image; "skip" leaves it out.
         quiet: no progress bar.
+        subdir: the folder (split) to read inside a folder, ZIP or tar, or the group of an HDF5 file.
+        source_format: read ``src`` as this kind instead of detecting it (``sources.source_formats()``).
+        label_key, image_key: where labels and images are: webdataset member extensions
+            (default ``cls``; ``jpg,jpeg,png,webp``), HDF5 dataset names (``labels``, ``images``)
+            or the fields of pickled records.
+        allow_pickle: read an LMDB of pickled records; unpickling runs code from the file.
 
     Raises:
         PackedFormatError (bad source, destination inside the source or
@@ -131,15 +152,20 @@ def convert(
         ConversionInterrupted / KeyboardInterrupt.
     """
     started = time.perf_counter()
-    src, dst = os.fspath(src), os.fspath(dst)
+    dst = os.fspath(dst)
     format = _check_options(dst, format, mode, resize_mode, quality, encoding, on_error, shard_size)
     workers = available_cores() if workers is None else int(workers)
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
-    _check_destination(src, dst, overwrite)
+    shown = _shown(src)
+    for path in _source_paths(src):
+        _check_destination(path, dst, overwrite)
     clean_stale_temp_files(dst)
     replaced_parts = existing_parts(dst) if overwrite else []
-    source = open_source(src, labels)
+    source = open_source(
+        src, labels, subdir=subdir, source_format=source_format, label_key=label_key, image_key=image_key,
+        allow_pickle=allow_pickle, on_error=on_error,
+    )
     try:
         recipe = _recipe(source, mode, size, resize_mode, encoding, quality)
         check_free_space(
@@ -158,7 +184,7 @@ def convert(
         remove_path(stale)  # parts of a sharded archive this conversion replaced
     h, w = recipe.size or (0, 0)
     return ConvertSummary(
-        source=src,
+        source=shown,
         destination=dst,
         format=format,
         mode=recipe.mode,
@@ -174,11 +200,22 @@ def convert(
 
 
 def _run(source, dst, format, recipe, workers, shard_size, overwrite, on_error, quiet) -> Tuple[int, List[str], list]:
-    """Prepare every sample in parallel and append them in order; publish; (written, failed, parts)."""
-    with ordered_map(_prepare_sample, (source, recipe), len(source), workers) as results:
+    """Prepare every sample in parallel and append them in order; publish; (written, failed, parts).
+
+    A random-access source is read by the workers themselves (sample i by
+    index); any other is read here, in one ordered pass, and its samples'
+    bytes are handed to the workers.
+    """
+    for failure in source.failed:  # samples the source left out while listing (on_error="skip")
+        tqdm.write(f"skipped: {failure}", file=sys.stderr)
+    if source.random_access:
+        mapped = ordered_map(_prepare_sample, (source, recipe), len(source), workers)
+    else:
+        mapped = ordered_map(_prepare_item, recipe, len(source), workers, items=_payloads(source))
+    with mapped as results:
         output = _open_output(dst, format, recipe, source, shard_size, overwrite)
         with output, tqdm(total=len(source), unit="img", desc="converting", disable=quiet, smoothing=0.05) as bar:
-            failed = _append_all(results, source, output, on_error, bar)
+            failed = source.failed + _append_all(results, source, output, on_error, bar)
             if len(output) == 0:
                 raise InvalidSourceError(source.path, "no image could be converted", hint="see the errors above")
             written = len(output)
@@ -205,21 +242,36 @@ def _append_all(results: Iterator[Any], source: Source, output: Any, on_error: s
 def _prepare_sample(context: Tuple[Source, Recipe], i: int) -> Tuple[bool, Any]:
     """(True, stored sample) or (False, CorruptSampleError naming the file); runs in a worker."""
     source, recipe = context
+    return _prepare(recipe, lambda: source.load(i), i, lambda: source.key(i), lambda: source.location(i))
+
+
+def _payloads(source: Source) -> Iterator[Tuple[int, str, str, Any]]:
+    """(index, key, location, stored data or its error) of each sample, read in order in this process."""
+    for i, sample in enumerate(source):
+        yield i, sample.key, source.location(i), sample.data
+
+
+def _prepare_item(recipe: Recipe, payload: Tuple[int, str, str, Any]) -> Tuple[bool, Any]:
+    """_prepare_sample for a sample this process read (a payload of ``_payloads``); runs in a worker."""
+    i, key, location, data = payload
+    if isinstance(data, PackedFormatError):
+        return False, data
+    return _prepare(recipe, lambda: data, i, lambda: key, lambda: location)
+
+
+def _prepare(
+    recipe: Recipe, load: Callable[[], Any], i: int, key: Callable[[], str], location: Callable[[], str]
+) -> Tuple[bool, Any]:
     try:
-        return True, recipe.apply(source.load(i))
+        return True, recipe.apply(load())
     except codecs.DecodeError as exc:
-        error = CorruptSampleError(
-            source.location(i), str(exc), index=i, key=source.key(i), hint="fix or remove it, or use --on-error skip"
-        )
-        return False, error
+        problem = str(exc)
     except PackedFormatError as exc:
         return False, exc
     except Exception as exc:  # a decoder or resize failure we did not foresee: still name the file
-        error = CorruptSampleError(
-            source.location(i), f"cannot prepare the image: {exc!r}", index=i, key=source.key(i),
-            hint="fix or remove it, or use --on-error skip",
-        )
-        return False, error
+        problem = f"cannot prepare the image: {exc!r}"
+    error = CorruptSampleError(location(), problem, index=i, key=key(), hint="fix or remove it, or use --on-error skip")
+    return False, error
 
 
 def _open_output(dst: str, format: str, recipe: Recipe, source: Source, shard_size, overwrite: bool) -> Any:
@@ -318,18 +370,27 @@ def estimated_output_bytes(source: Source, recipe: Recipe) -> int:
 
 
 def _source_bytes(source: Source) -> int:
-    if source.reader is not None:
-        return disk_usage(source.path)
     n = len(source)
+    if n == 0 or source.stored_size(0) is None:  # sizes unknown without reading: the files' size on disk
+        return sum(disk_usage(path) for path in _source_paths(source.path))
     picks = range(n) if n <= _SIZED_FILES else np.linspace(0, n - 1, _SIZED_FILES).astype(np.int64).tolist()
     total = 0
     for i in picks:
-        try:
-            size = os.path.getsize(source.location(i))
-        except OSError:
-            continue  # reported by the conversion itself
+        size = source.stored_size(i) or 0  # an unreadable file is reported by the conversion itself
         total += size if source.key(i).lower().endswith(_AS_STORED) else size // _REENCODED_RATIO
     return total * n // len(picks)
+
+
+def _source_paths(src: SourcePath) -> List[str]:
+    """The file or folder paths of a source (each shard of a list)."""
+    if isinstance(src, (str, os.PathLike)):
+        return [os.fspath(src)]
+    return [os.fspath(p) for p in src]
+
+
+def _shown(src: SourcePath) -> str:
+    paths = _source_paths(src)
+    return paths[0] if len(paths) == 1 else ", ".join(paths)
 
 
 def _write_error(dst: str, exc: OSError) -> DestinationError:

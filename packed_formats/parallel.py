@@ -25,7 +25,7 @@ import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -65,13 +65,16 @@ def _exit_when_orphaned(parent: int) -> None:
     os._exit(1)
 
 
-def _run_chunk(indices: range, spill_dir: Optional[str] = None) -> Tuple[Optional[str], List[Any]]:
+def _run_chunk(
+    number: int, arguments: Sequence[Any], spill_dir: Optional[str] = None
+) -> Tuple[Optional[str], List[Any]]:
+    """``function(context, a)`` for each ``a`` of chunk ``number``, in a worker."""
     assert _STATE is not None, "_init_worker runs first in every worker"
     function, context = _STATE
-    results = [function(context, i) for i in indices]
+    results = [function(context, a) for a in arguments]
     if spill_dir is None:
         return None, results
-    return _spill(results, os.path.join(spill_dir, f"chunk-{indices.start}"))
+    return _spill(results, os.path.join(spill_dir, f"chunk-{number}"))
 
 
 class _Spilled(NamedTuple):
@@ -160,20 +163,25 @@ def _remove_orphaned_spills() -> None:
 
 @contextlib.contextmanager
 def ordered_map(
-    function: Callable[[Any, int], Any], context: Any, count: int, workers: int, chunk_size: int = 0
+    function: Callable[[Any, Any], Any], context: Any, count: int, workers: int, chunk_size: int = 0,
+    items: Optional[Iterator[Any]] = None,
 ) -> Iterator[Iterator[Any]]:
     """Yield an iterator of ``function(context, i)`` for i in range(count), in order.
 
     ``function`` must be a module-level function; ``context`` is handed to each
-    worker once.  With ``workers <= 1`` everything runs in this process.  The
-    workers are started on entry (before the caller opens any output file, so
-    they inherit none) and are gone on leaving the block, however it is left.
+    worker once.  With ``items`` (``count`` values this process reads in order,
+    such as the members of a compressed tar), call i gets the i-th item instead
+    of i.  At most ``2 * workers + 1`` chunks are in flight.  With ``workers <= 1``
+    everything runs in this process.  The workers are started on entry (before
+    the caller opens any output file, so they inherit none) and are gone on
+    leaving the block, however it is left.
 
     Raises:
         WorkerDiedError: a worker process was killed (e.g. by the out-of-memory killer).
     """
+    arguments: Iterator[Any] = iter(range(count)) if items is None else items
     if workers <= 1 or count <= 1:
-        yield (function(context, i) for i in range(count))
+        yield (function(context, a) for a in arguments)
         return
     chunk_size = chunk_size or max(1, min(16, count // (16 * workers)))  # small chunks: even finish
     with _spill_directory() as spill_dir:
@@ -184,10 +192,10 @@ def ordered_map(
             initargs=(function, context, os.getpid()),
         )
         try:
-            chunks = (range(s, min(count, s + chunk_size)) for s in range(0, count, chunk_size))
+            chunks = enumerate(iter(lambda: list(itertools.islice(arguments, chunk_size)), []))
             pending: collections.deque = collections.deque()
-            for chunk in itertools.islice(chunks, 2 * workers + 1):
-                pending.append(executor.submit(_run_chunk, chunk, spill_dir))
+            for number, chunk in itertools.islice(chunks, 2 * workers + 1):
+                pending.append(executor.submit(_run_chunk, number, chunk, spill_dir))
             yield _drain(executor, chunks, pending, spill_dir)
         finally:
             executor.shutdown(wait=True, cancel_futures=True)
@@ -197,14 +205,14 @@ class WorkerDiedError(RuntimeError):
     """A worker process ended abruptly (killed by a signal or the out-of-memory killer)."""
 
 
-def _drain(executor: ProcessPoolExecutor, chunks: Iterator[range], pending: collections.deque,
+def _drain(executor: ProcessPoolExecutor, chunks: Iterator[Tuple[int, list]], pending: collections.deque,
            spill_dir: Optional[str]) -> Iterator[Any]:
     while pending:
         try:
             results = _restore(*pending.popleft().result())
         except BrokenProcessPool:
             raise WorkerDiedError("a conversion worker process died (out of memory?)") from None
-        chunk = next(chunks, None)
-        if chunk is not None:
-            pending.append(executor.submit(_run_chunk, chunk, spill_dir))
+        following = next(chunks, None)
+        if following is not None:
+            pending.append(executor.submit(_run_chunk, following[0], following[1], spill_dir))
         yield from results

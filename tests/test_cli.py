@@ -141,10 +141,10 @@ def big_folder(tmp_path_factory):
     return make_image_folder(root, images_per_class=100, classes=CLASSES, sizes=(180, 260), seed=3)
 
 
-def start_slow_conversion(src, dst):
+def start_slow_conversion(src, dst, format="zip"):
     """A conversion that takes a few seconds (PNG re-encoding), in its own session."""
     return subprocess.Popen(
-        [sys.executable, "-m", "packed_formats", "convert", str(src), str(dst), "--format", "zip",
+        [sys.executable, "-m", "packed_formats", "convert", str(src), str(dst), "--format", format,
          "--mode", "encoded", "--size", "160", "--encoding", "png", "--workers", "2", "--quiet"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
@@ -194,19 +194,33 @@ def test_existing_destination_survives_an_interrupted_overwrite(tmp_path, big_fo
     assert os.listdir(tmp_path) == ["out.zip"] and dst.read_bytes() == b"precious"
 
 
+def tree_bytes(path) -> dict:
+    """{relative file name: content} of an archive (a file, or a directory's files)."""
+    if not os.path.isdir(path):
+        return {"": open(path, "rb").read()}
+    return {n: open(os.path.join(path, n), "rb").read() for n in sorted(os.listdir(path))}
+
+
 @pytest.mark.slow
-def test_killed_conversion_leaves_no_archive_and_a_rerun_succeeds(tmp_path, big_folder):
-    dst = tmp_path / "out.zip"
-    process = start_slow_conversion(big_folder, dst)
+@pytest.mark.parametrize("fmt,moment", [("zip", 0.0), ("hdf5", 0.3), ("lmdb", 0.6), ("memmap", 0.9)])
+def test_killed_conversion_leaves_no_archive_and_a_rerun_is_byte_identical(tmp_path, big_folder, fmt, moment):
+    dst = tmp_path / f"out.{fmt}"
+    process = start_slow_conversion(big_folder, dst, fmt)
     workers = wait_until_writing(process, tmp_path)
+    time.sleep(moment)  # at another moment of the conversion for each format
     process.kill()
     process.communicate(timeout=60)
     assert not dst.exists()
     assert psutil.wait_procs(workers, timeout=10)[1] == [], "orphaned workers must exit by themselves"
-    rerun = run_cli("convert", big_folder, dst, "--format", "zip", "--mode", "raw", "--size", "16", "--quiet")
+    options = ["--format", fmt, "--mode", "raw", "--size", "16", "--quiet"]
+    rerun = run_cli("convert", big_folder, dst, *options)
     assert rerun.returncode == 0, rerun.stderr
-    assert len(pf.open_archive(dst)) == 3 * 100
+    assert len(pf.open_archive(dst)) == 3 * 100 and pf.verify_archive(dst).ok
     assert temp_files(tmp_path) == [], "the dead conversion's temporary file is cleaned up"
+    reference = tmp_path / "reference" / f"out.{fmt}"
+    reference.parent.mkdir()
+    assert run_cli("convert", big_folder, reference, *options).returncode == 0
+    assert tree_bytes(dst) == tree_bytes(reference)
 
 
 @pytest.mark.slow

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+import warnings
+from typing import Any, Dict, Iterator, List, Union
 
 from .. import codecs
 from ..backends import PACKED_FORMATS
-from ..convert import ON_ERROR, ConversionInterrupted, convert
+from ..convert import ON_ERROR, ConversionInterrupted, ConvertSummary, convert
 from ..manifest import MODES
 from ..policy import RESIZE_MODES
 from ..prepare import parse_size
+from ..sources import source_formats
 
-HELP = "pack an ImageFolder tree, a flat folder plus label file, or any archive into a zip/hdf5/lmdb/memmap archive"
+HELP = "pack an image dataset (a folder, or the zip/tar/HDF5/... it came in) into a zip/hdf5/lmdb/memmap archive"
 EXAMPLES = """examples:
   packed-formats convert images/ train.zip --format zip --mode raw --size 128
   packed-formats convert images/ train.h5 --format hdf5 --mode encoded          # keeps the JPEG bytes as they are
@@ -21,15 +25,23 @@ EXAMPLES = """examples:
       --resize-mode shorter-side-center-crop --labels val_labels.txt
   packed-formats convert train.zip train-raw.memmap --format memmap --mode raw --size 64 --workers 8
   packed-formats convert images/ train.zip --format zip --shard-size 100000   # train-00000.zip ... + index train.zip
+  packed-formats convert dataset.tar.gz train.zip --subdir train              # read in place, never extracted
+  packed-formats convert ILSVRC2012_img_train.tar train.lmdb --mode raw --size 64   # a tar of per-class tars
+  packed-formats convert 'shards-{000..009}.tar' train.zip --label-key cls    # webdataset shards
+  packed-formats convert data.h5 train.memmap --mode raw --image-key images --label-key labels
 
-sources: root/<class>/<image> (classes = sorted folder names); a flat folder with --labels FILE
-(one integer per line in sorted file order, or CSV filename,label); or any archive this tool reads.
+sources (found from the content; --source-format names one): root/<class>/<image> (classes = sorted
+folder names); a flat folder with --labels FILE (one integer per line in sorted file order, or CSV
+filename,label); a .zip or .tar(.gz/.bz2/.xz) of such a tree (--subdir picks a split) or with a
+stylegan2-ada dataset.json; a tar of per-class tars; webdataset shards; an HDF5 file of images +
+labels; an LMDB of pickled records (--allow-pickle); a CSV/JSON list of path,label; or any archive
+this tool writes.  Keys, labels and order are those of the extracted folder.
 Non-image files are skipped and counted; a corrupt image stops the conversion unless --on-error skip.
 Nothing appears at DST until the archive is complete and checked; Ctrl-C leaves DST untouched."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("src", metavar="SRC", help="image folder or archive to read")
+    parser.add_argument("src", metavar="SRC", nargs="+", help="dataset to read (several: webdataset shards)")
     parser.add_argument("dst", metavar="DST", help="archive to write (with --shard-size: the index)")
     parser.add_argument("--format", choices=PACKED_FORMATS, help="archive format (default: from DST's extension)")
     parser.add_argument("--mode", choices=MODES, default="encoded", help="raw pixels or encoded bytes")
@@ -43,32 +55,76 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--on-error", choices=ON_ERROR, default="raise", help="on an unreadable image (default raise)")
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
+    add_source_arguments(parser)
+
+
+def add_source_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options that say how to read a source (shared with ``info``)."""
+    group = parser.add_argument_group("reading the source")
+    group.add_argument("--subdir", metavar="DIR", help="the folder (split) to read in a folder, zip or tar; HDF5 group")
+    group.add_argument("--source-format", choices=source_formats(), help="read SRC as this kind (default: detected)")
+    group.add_argument("--label-key", metavar="NAME", help="webdataset label extension (cls), HDF5 labels dataset, "
+                       "or pickled record field")
+    group.add_argument("--image-key", metavar="NAME", help="webdataset image extension(s) (jpg,jpeg,png,webp), "
+                       "HDF5 images dataset, or pickled record field")
+    group.add_argument("--allow-pickle", action="store_true",
+                       help="read an LMDB of pickled records: unpickling runs code from the file, trust it first")
+
+
+def source_options(args: argparse.Namespace) -> Dict[str, Any]:
+    """The source options given on the command line, as keyword arguments."""
+    return dict(
+        subdir=args.subdir, source_format=args.source_format, label_key=args.label_key, image_key=args.image_key,
+        allow_pickle=args.allow_pickle,
+    )
+
+
+def source_argument(paths: List[str]) -> Union[str, List[str]]:
+    """One path as itself; several (webdataset shards) as the list."""
+    return paths[0] if len(paths) == 1 else paths
+
+
+@contextlib.contextmanager
+def one_line_warnings(command: str) -> Iterator[None]:
+    """Print each warning as one line ``packed-formats COMMAND: warning: ...`` (no file and line)."""
+    def show(message, category, filename, lineno, file=None, line=None):
+        print(f"packed-formats {command}: warning: {message}", file=sys.stderr)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        summary = convert(
-            args.src,
-            args.dst,
-            format=args.format,
-            mode=args.mode,
-            size=args.size,
-            resize_mode=args.resize_mode,
-            quality=args.quality,
-            encoding=args.encoding,
-            labels=args.labels,
-            workers=args.workers,
-            shard_size=args.shard_size,
-            overwrite=args.overwrite,
-            on_error=args.on_error,
-            quiet=args.quiet,
-        )
+        with one_line_warnings("convert"):
+            summary = _convert(args)
     except ConversionInterrupted as exc:
         print(f"packed-formats convert: {exc}; nothing was written to {args.dst}", file=sys.stderr)
         return 128 + exc.signum
     if not args.quiet:
         print(summary.line())
     return 0
+
+
+def _convert(args: argparse.Namespace) -> ConvertSummary:
+    return convert(
+        source_argument(args.src),
+        args.dst,
+        format=args.format,
+        mode=args.mode,
+        size=args.size,
+        resize_mode=args.resize_mode,
+        quality=args.quality,
+        encoding=args.encoding,
+        labels=args.labels,
+        workers=args.workers,
+        shard_size=args.shard_size,
+        overwrite=args.overwrite,
+        on_error=args.on_error,
+        quiet=args.quiet,
+        **source_options(args),
+    )
 
 
 def _size(text: str):

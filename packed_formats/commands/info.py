@@ -1,34 +1,77 @@
-"""``packed-formats info``: what an archive holds."""
+"""``packed-formats info``: what an archive holds, or what convert would make of a dataset."""
 
 from __future__ import annotations
 
 import argparse
 import json
-from typing import Any, Dict, List
+import os
+from typing import Any, Dict, List, Sequence
 
 import numpy as np
 
 from ..backends import open_archive
+from ..sources import detect_source, open_source
+from ..sources.layout import DATASET_JSON
 from ..space import disk_usage, human_bytes
+from .convert import add_source_arguments, one_line_warnings, source_argument, source_options
 
-HELP = "show an archive's format, mode, sample count, classes with counts, shape or encoding, size and origin"
+HELP = (
+    "show an archive's format, mode, sample count, classes with counts, shape or encoding, size and origin; "
+    "or what convert would make of a dataset in its container"
+)
 EXAMPLES = """examples:
   packed-formats info train.zip
   packed-formats info images/              # a plain ImageFolder tree works too
   packed-formats info train.h5 --all-classes
-  packed-formats info train.lmdb --json"""
+  packed-formats info train.lmdb --json
+  packed-formats info dataset.tar.gz --subdir train   # a dataset's container: what convert would make of it"""
 
 _SHOWN_CLASSES = 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("path", metavar="PATH", help="archive (or image folder) to describe")
+    parser.add_argument("path", metavar="PATH", nargs="+", help="archive, image folder or dataset to describe")
     parser.add_argument("--all-classes", action="store_true", help=f"list every class (default {_SHOWN_CLASSES})")
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    add_source_arguments(parser)
 
 
-def describe(path: str) -> Dict[str, Any]:
-    """The facts ``info`` prints, as a dict."""
+def describe(path: "str | Sequence[str]", **options: Any) -> Dict[str, Any]:
+    """The facts ``info`` prints, as a dict: an archive's (or ImageFolder's), else the source's as convert reads it.
+
+    ``options``: how to read a source (subdir, source_format, label_key, image_key, allow_pickle).
+    """
+    given = {name: value for name, value in options.items() if value not in (None, False)}
+    if isinstance(path, str) and not given and detect_source(path, deep=False) in ("packed", "folder"):
+        if _has_labels(path):
+            return describe_source(path)
+        return describe_archive(path)
+    return describe_source(path, **given)
+
+
+def describe_source(path: "str | Sequence[str]", **options: Any) -> Dict[str, Any]:
+    """What ``convert`` would read from a dataset (kind, layout, samples, classes with counts), without converting."""
+    with open_source(path, **options) as source:
+        counts = np.bincount(source.labels, minlength=len(source.classes))
+        return {
+            "path": path if isinstance(path, str) else list(path),
+            "source": source.kind,
+            "layout": source.layout,
+            "samples": len(source),
+            "shape": None if source.raw_shape is None else list(source.raw_shape),
+            "skipped": source.skipped,
+            "failed": source.failed,
+            "reading": source.notes(),
+            "classes": {name: int(counts[c]) for c, name in enumerate(source.classes)},
+        }
+
+
+def _has_labels(path: str) -> bool:
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, DATASET_JSON))
+
+
+def describe_archive(path: str) -> Dict[str, Any]:
+    """The facts ``info`` prints about an archive (or a plain ImageFolder tree), as a dict."""
     with open_archive(path, verify=False) as reader:
         m = reader.manifest
         counts = np.bincount(reader.labels, minlength=len(m.classes)) if len(reader) else np.zeros(len(m.classes))
@@ -52,12 +95,31 @@ def describe(path: str) -> Dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    facts = describe(args.path)
+    given = {name: value for name, value in source_options(args).items() if value not in (None, False)}
+    with one_line_warnings("info"):
+        facts = describe(source_argument(args.path), **given)
     if args.json:
         print(json.dumps(facts, indent=1))
+    elif "source" in facts:
+        print("\n".join(_source_lines(facts, args.all_classes)))
     else:
         print("\n".join(_lines(facts, args.all_classes)))
     return 0
+
+
+def _source_lines(f: Dict[str, Any], all_classes: bool) -> List[str]:
+    path = f["path"] if isinstance(f["path"], str) else f"{f['path'][0]} (+{len(f['path']) - 1} more)"
+    lines = [
+        f"path        {path}",
+        f"source      {f['source']}: {f['layout']}",
+        f"samples     {f['samples']}",
+    ]
+    if f["shape"]:
+        lines.append(f"shape       {'x'.join(map(str, f['shape']))} (HxWxC uint8)")
+    lines += [f"reading     {note}" for note in f["reading"]]
+    lines.append(f"skipped     {f['skipped']} non-image files, {len(f['failed'])} unusable samples")
+    lines += [f"  {failure}" for failure in f["failed"][:_SHOWN_CLASSES]]
+    return lines + _class_lines(f, all_classes)
 
 
 def _lines(f: Dict[str, Any], all_classes: bool) -> List[str]:
@@ -74,8 +136,12 @@ def _lines(f: Dict[str, Any], all_classes: bool) -> List[str]:
         f"checksums   {f['checksum'] or 'none'}",
         f"size        {human_bytes(f['bytes'])} on disk",
         f"created     {f['created_with'] or 'unknown'}" + (f" at {f['created_at']}" if f["created_at"] else ""),
-        f"classes     {len(f['classes'])}",
     ]
+    return lines + _class_lines(f, all_classes)
+
+
+def _class_lines(f: Dict[str, Any], all_classes: bool) -> List[str]:
+    lines = [f"classes     {len(f['classes'])}"]
     items = list(f["classes"].items())
     shown = items if all_classes else items[:_SHOWN_CLASSES]
     width = max([len(name) for name, _ in shown] + [1])

@@ -1,0 +1,305 @@
+"""What every source kind shares: the Source class, its options, and helpers for labels, names and files.
+
+A Source lists its samples when it is opened (count, keys, labels, classes),
+so the converter knows everything it writes into the archive's header before
+the first image is read.  The samples themselves come either by index from
+any process (``random_access``: folders, ZIP files, uncompressed tars, packed
+archives; conversion workers read their own) or in order from one pass in
+this process (``__iter__``: compressed tars, HDF5, pickled LMDB), which the
+converter hands to its workers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import posixpath
+import re
+import warnings
+from typing import Any, ClassVar, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from ..errors import InvalidSourceError, PackedFormatError
+from ..index import decode_key, encode_keys
+from ..policy import check_on_error
+
+Data = Union[bytes, np.ndarray]
+# Class names that are dataset splits rather than classes: a source whose classes are all
+# of these was most probably meant to be read one split at a time (subdir=).
+_SPLIT_NAMES = frozenset({"train", "training", "val", "valid", "validation", "test", "testing", "eval"})
+
+
+class SourceWarning(UserWarning):
+    """The source converts, but probably not as meant (one class, every label equal, splits as classes)."""
+
+
+class UnpicklingWarning(SourceWarning):
+    """Pickled records are being unpickled, which runs code from the file (``allow_pickle=True``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceOptions:
+    """How to read a source; each kind uses the options that concern it.
+
+    labels: label file of a flat folder of images.  subdir: the split to read
+    inside a folder, ZIP or tar (``train``), or the group of an HDF5 file.
+    source_format: a registered kind name, instead of detecting it.
+    label_key / image_key: where labels and images are: the member extension
+    of a webdataset sample (``cls``; ``jpg``...), the dataset name in an HDF5
+    file (``labels``, ``images``) or the field of a pickled record.
+    allow_pickle: read an LMDB of pickled records (unpickling runs code from the file).
+    on_error: "raise" at the first unusable sample found while listing, or "skip" it.
+    """
+
+    labels: Optional[str] = None
+    subdir: Optional[str] = None
+    source_format: Optional[str] = None
+    label_key: Optional[str] = None
+    image_key: Optional[str] = None
+    allow_pickle: bool = False
+    on_error: str = "raise"
+
+    def __post_init__(self) -> None:
+        check_on_error(self.on_error)
+
+
+class Sample(NamedTuple):
+    """One sample as a source yields it; ``data`` is the error instead when it cannot be read."""
+
+    key: str
+    label: int
+    data: "Data | PackedFormatError"
+
+
+class Source:
+    """The samples of one dataset, listed: ``classes``, and per sample a key and a label.
+
+    A kind (a subclass) sets ``kind`` (its registry name) and
+    ``random_access``, and implements ``sniff`` and ``open``, then ``load``
+    (random access) or ``__iter__`` (one ordered pass).  ``skipped`` counts
+    non-image files left out; ``failed`` names samples left out while listing
+    with on_error="skip" (as "where: problem").
+    """
+
+    kind: ClassVar[str] = "source"
+    random_access: bool = True  # a class default; a kind may decide per source (compressed or not)
+
+    def __init__(
+        self,
+        path: str,
+        classes: Sequence[str],
+        keys: "Sequence[str] | np.ndarray",
+        labels: "Sequence[int] | np.ndarray",
+        skipped: int = 0,
+        failed: Sequence[str] = (),
+        layout: str = "",
+    ) -> None:
+        self.path = path
+        self.classes: Tuple[str, ...] = tuple(classes)
+        self.keys = keys if isinstance(keys, np.ndarray) else encode_keys(list(keys))
+        self.labels = np.asarray(labels, dtype=np.int64)
+        self.skipped = skipped
+        self.failed = list(failed)
+        self.layout = layout  # a few words on what was found, for `info`
+
+    @classmethod
+    def sniff(cls, path: str, head: bytes) -> bool:
+        """Whether ``path`` is of this kind, from its content (``head``: its first 512 bytes; b"" for a folder)."""
+        return False
+
+    @classmethod
+    def open(cls, path: str, options: SourceOptions) -> "Source":
+        """The source at ``path``, listed (raises PackedFormatError when it does not fit this kind)."""
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.path!r}: {len(self)} samples, {len(self.classes)} classes>"
+
+    def key(self, i: int) -> str:
+        return decode_key(self.keys[i])
+
+    def location(self, i: int) -> str:
+        """What to name when sample i is bad (a file, or ``container:member``)."""
+        return f"{self.path}:{self.key(i)}"
+
+    def load(self, i: int) -> Data:
+        """Sample i as stored (random-access sources; any process may call it).
+
+        Raises PackedFormatError (CorruptSampleError) naming the sample when it cannot be read.
+        """
+        raise NotImplementedError(f"{type(self).__name__} is read in one ordered pass: iterate over it")
+
+    def __iter__(self) -> Iterator[Sample]:
+        """Every sample, in order; one that cannot be read comes with its error as ``data``."""
+        for i in range(len(self)):
+            try:
+                data: "Data | PackedFormatError" = self.load(i)
+            except PackedFormatError as exc:
+                data = exc
+            yield Sample(self.key(i), int(self.labels[i]), data)
+
+    @property
+    def raw_shape(self) -> Optional[Tuple[int, int, int]]:
+        """(H, W, C) when every sample is a pixel array of that shape, else None."""
+        return None
+
+    def stored_size(self, i: int) -> Optional[int]:
+        """Bytes sample i takes as stored, without reading it (None: unknown for this kind)."""
+        return None
+
+    def notes(self) -> List[str]:
+        """Lines for ``info`` about how the source will be read (passes, buffering...)."""
+        return []
+
+    def close(self) -> None:
+        """Release open files."""
+
+    def __enter__(self) -> "Source":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# ---- labels and classes -------------------------------------------------------------------------
+def classes_and_labels(path: str, values: Sequence[Any]) -> Tuple[Tuple[str, ...], List[int]]:
+    """(classes, label per sample) from label values: integers give classes "0".."max",
+    other values (names such as WordNet ids) the sorted distinct names."""
+    words = [str(v).strip() for v in values]
+    if all(_is_integer(w) for w in words):
+        numbers = [int(w) for w in words]
+        if numbers and min(numbers) < 0:
+            raise InvalidSourceError(path, f"labels must be >= 0, found {min(numbers)}")
+        return tuple(str(c) for c in range(max(numbers, default=-1) + 1)), numbers
+    classes = tuple(sorted(set(words)))
+    lookup = {name: c for c, name in enumerate(classes)}
+    return classes, [lookup[w] for w in words]
+
+
+def _is_integer(word: str) -> bool:
+    return word.lstrip("-").isdigit()
+
+
+def warn_if_suspicious(source: Source) -> None:
+    """A SourceWarning when the source has one class, every label equal, or splits as classes."""
+    classes, path = source.classes, source.path
+    if len(source) == 0:
+        return
+    counts = np.bincount(source.labels, minlength=len(classes))
+    if len(classes) == 1:
+        reason = f"1 class found ({classes[0]!r})"
+    elif np.count_nonzero(counts) == 1:
+        reason = f"all {len(source)} samples have the same label ({classes[int(np.argmax(counts))]!r})"
+    elif set(name.lower() for name in classes) <= _SPLIT_NAMES:
+        warnings.warn(
+            f"{path}: the classes are {', '.join(classes)}, which look like dataset splits: "
+            f"read one with --subdir (subdir=), e.g. --subdir {classes[0]}",
+            SourceWarning, stacklevel=3,
+        )
+        return
+    else:
+        return
+    warnings.warn(
+        f"{path}: {reason}: did you mean --subdir, or a dataset.json with the labels?", SourceWarning, stacklevel=3
+    )
+
+
+# ---- member names ------------------------------------------------------------------------------
+_DRIVE = re.compile(r"^[A-Za-z]:")
+_PLAIN = re.compile(r"(?!\.{1,2}(/|$))(?!.*/\.{0,2}(/|$))[^/\\:]+(/[^/\\]+)*")  # no "", ".", ".." parts
+
+
+class UnsafeName(ValueError):
+    """An archive member name that is absolute or climbs out with '..'."""
+
+
+def member_path(name: str) -> str:
+    """A container member's name as a clean relative POSIX path ("./a//b" -> "a/b").
+
+    Raises UnsafeName for absolute names and names with a ".." component: such
+    a name never becomes a key (nothing is extracted, but a key is a path to
+    whoever unpacks the archive later).
+    """
+    if _PLAIN.fullmatch(name):
+        return name  # the usual case, checked at once
+    if name.startswith(("/", "\\")) or _DRIVE.match(name):
+        raise UnsafeName(name)
+    parts = [p for p in name.split("/") if p not in ("", ".")]
+    if any(p == ".." or ".." in p.split("\\") for p in parts):
+        raise UnsafeName(name)
+    return "/".join(parts)
+
+
+def unsafe_name_error(path: str, name: str) -> InvalidSourceError:
+    return InvalidSourceError(
+        path, f"member {name!r} has an unsafe path (absolute, or with '..'): refused",
+        hint="the archive may be malicious; --on-error skip leaves such members out",
+    )
+
+
+def is_junk(path: str) -> bool:
+    """macOS metadata that ZIP tools add (``__MACOSX/``, ``._name`` AppleDouble files)."""
+    return path.startswith("__MACOSX/") or posixpath.basename(path).startswith("._")
+
+
+def folder_order(keys: Sequence[str]) -> List[int]:
+    """Indices of ``keys`` (class/.../file relative paths) in the order an ImageFolder scan lists them.
+
+    Like ``scan_image_folder``: by class, then directory path, then file name.
+    """
+    def sort_key(j: int) -> Tuple[str, str, str]:
+        directory, name = posixpath.split(keys[j])
+        return directory.split("/", 1)[0], directory, name
+
+    return sorted(range(len(keys)), key=sort_key)
+
+
+# ---- files -------------------------------------------------------------------------------------
+class FilePool:
+    """Read-only descriptors of this process, by path, for ``os.pread`` (at most ``size`` open).
+
+    Safe across fork: a child sees the parent's pid and opens its own.
+    """
+
+    def __init__(self, size: int = 16) -> None:
+        self.size = size
+        self._pid = os.getpid()
+        self._fds: Dict[str, int] = {}
+
+    def fd(self, path: str) -> int:
+        if self._pid != os.getpid():
+            self._pid, self._fds = os.getpid(), {}  # the parent's descriptors are the parent's business
+        fd = self._fds.pop(path, None)
+        if fd is None:
+            fd = os.open(path, os.O_RDONLY)
+            while len(self._fds) >= self.size:
+                os.close(self._fds.pop(next(iter(self._fds))))
+        self._fds[path] = fd  # most recently used last
+        return fd
+
+    def pread(self, path: str, size: int, offset: int) -> bytes:
+        return os.pread(self.fd(path), size, offset)
+
+    def close(self) -> None:
+        if self._pid == os.getpid():
+            for fd in self._fds.values():
+                os.close(fd)
+        self._fds = {}
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {"size": self.size}  # descriptors do not cross processes
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.size, self._pid, self._fds = state["size"], os.getpid(), {}
+
+
+def read_head(path: str, size: int = 512) -> bytes:
+    """The first ``size`` bytes of a file (b"" for a folder)."""
+    if os.path.isdir(path):
+        return b""
+    with open(path, "rb") as file:
+        return file.read(size)

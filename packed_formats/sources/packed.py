@@ -1,0 +1,113 @@
+"""packed: an archive written by packed_formats (any format, sharded or not), to convert to another.
+
+Read through its Reader (checksums verified), at random: the Reader pickles
+as its path, so each conversion worker opens its own.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Optional, Tuple
+
+from ..backends import open_archive, sniff_format
+from ..backends.base import Reader
+from ..errors import InvalidSourceError
+from .base import Data, Source, SourceOptions
+
+_OUR_FIRST_MEMBER = re.compile(r"^(samples/\d{9}\.\w+|index/\w+\.npy|manifest\.json)$")
+_OUR_HDF5_NAMES = {"images", "data", "labels", "keys", "crc32", "offsets"}
+
+
+class PackedSource(Source):
+    """A packed_formats archive."""
+
+    kind = "packed"
+    random_access = True
+
+    def __init__(self, path: str, reader: Reader) -> None:
+        super().__init__(path, reader.classes, reader.index.keys, reader.labels, layout=f"{reader.format_name} archive")
+        self.reader = reader
+
+    @classmethod
+    def sniff(cls, path: str, head: bytes) -> bool:
+        try:
+            found = sniff_format(path)
+        except OSError:
+            return False
+        if found in (None, "folder"):
+            return False
+        if found == "zip":
+            return _first_zip_member(path) is None or bool(_OUR_FIRST_MEMBER.match(_first_zip_member(path) or ""))
+        if found == "hdf5":
+            return _ours_hdf5(path)
+        if found == "lmdb":
+            return _ours_lmdb(path)
+        return True
+
+    @classmethod
+    def open(cls, path: str, options: SourceOptions) -> "PackedSource":
+        for name in ("subdir", "label_key", "image_key"):
+            if getattr(options, name) is not None:
+                raise InvalidSourceError(path, f"a packed_formats archive takes no {name} option")
+        return cls(path, open_archive(path, verify=True))
+
+    @property
+    def raw_shape(self) -> Optional[Tuple[int, int, int]]:
+        return self.reader.manifest.shape if self.reader.mode == "raw" else None
+
+    def location(self, i: int) -> str:
+        return self.path
+
+    def load(self, i: int) -> Data:
+        return self.reader.read(i)
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def _first_zip_member(path: str) -> Optional[str]:
+    """The name in the first local header of a ZIP file (None if there is none)."""
+    with open(path, "rb") as file:
+        header = file.read(30)
+        if len(header) < 30 or header[:4] != b"PK\x03\x04":
+            return None
+        length = int.from_bytes(header[26:28], "little")
+        return file.read(length).decode("utf-8", "replace")
+
+
+def _ours_hdf5(path: str) -> bool:
+    import h5py
+
+    from ..backends.hdf5 import MANIFEST_ATTR
+
+    try:
+        with h5py.File(path, "r", locking=False) as file:
+            if MANIFEST_ATTR in file.attrs:
+                return True
+            names = set(file.keys())
+    except OSError:
+        return True  # damaged: the archive reader says how
+    return bool(names) and names <= _OUR_HDF5_NAMES and "labels" not in names
+
+
+def _ours_lmdb(path: str) -> bool:
+    import lmdb
+
+    from ..backends.lmdb import MANIFEST_KEY
+
+    try:
+        env = lmdb.open(path, subdir=os.path.isdir(path), readonly=True, lock=False, max_spare_txns=0)
+    except lmdb.Error:
+        return True  # damaged: the archive reader says how
+    try:
+        with env.begin() as txn:
+            if txn.get(MANIFEST_KEY) is not None:
+                return True
+            cursor = txn.cursor()
+            if not cursor.first():
+                return True
+            key, value = cursor.item()
+            return len(key) == 10 and key.isdigit() and not bytes(value[:1]) == b"\x80"
+    finally:
+        env.close()
