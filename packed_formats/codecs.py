@@ -103,6 +103,18 @@ def decode(data: bytes, channels: int = 3) -> np.ndarray:
 
 
 _HIGH_BIT_DEPTH = ("I;16", "I;16L", "I;16B", "I;16N", "I")
+_ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa", "La")
+
+
+def has_alpha(data: bytes) -> bool:
+    """Whether encoded image bytes carry transparency (an alpha channel or a transparent palette entry).
+
+    Reads the header only; False for bytes that are not an image."""
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return image.mode in _ALPHA_MODES or "transparency" in image.info
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
+        return False
 
 
 def to_8bit(image: Image.Image) -> Image.Image:

@@ -21,6 +21,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import numpy as np
@@ -44,6 +45,7 @@ from .parallel import WorkerDiedError, available_cores, ordered_map
 from .policy import RESIZE_MODES
 from .prepare import Recipe, parse_size
 from .sources import Source, SourcePath, open_source
+from .sources.base import SourceWarning
 from .space import check_free_space, disk_usage, human_bytes
 
 ON_ERROR = ("raise", "skip")
@@ -225,8 +227,11 @@ def _run(source, dst, format, recipe, workers, shard_size, overwrite, on_error, 
 def _append_all(results: Iterator[Any], source: Source, output: Any, on_error: str, bar: Any) -> List[str]:
     failed: List[str] = []
     try:
-        for i, (ok, value) in enumerate(results):
+        alpha: List[str] = []
+        for i, (ok, value, dropped_alpha) in enumerate(results):
             bar.update(1)
+            if dropped_alpha:
+                alpha.append(source.key(i))
             if ok:
                 output.add(value, int(source.labels[i]), source.key(i))
             elif on_error == "raise":
@@ -236,11 +241,20 @@ def _append_all(results: Iterator[Any], source: Source, output: Any, on_error: s
                 tqdm.write(f"skipped: {value}", file=sys.stderr)
     except WorkerDiedError as exc:
         raise ConversionFailedError(source.path, str(exc), hint="retry with fewer --workers") from None
+    if alpha:
+        warnings.warn(
+            SourceWarning(
+                f"{source.path}: {len(alpha)} image(s) have a transparency (alpha) channel, dropped: the archive "
+                f"holds RGB (first: {alpha[0]!r}); --mode encoded without --size keeps each file as it is"
+            ),
+            stacklevel=3,
+        )
     return failed
 
 
-def _prepare_sample(context: Tuple[Source, Recipe], i: int) -> Tuple[bool, Any]:
-    """(True, stored sample) or (False, CorruptSampleError naming the file); runs in a worker."""
+def _prepare_sample(context: Tuple[Source, Recipe], i: int) -> Tuple[bool, Any, bool]:
+    """(True, stored sample, alpha dropped) or (False, CorruptSampleError naming the file, False); runs in a
+    worker."""
     source, recipe = context
     return _prepare(recipe, lambda: source.load(i), i, lambda: source.key(i), lambda: source.location(i))
 
@@ -251,27 +265,28 @@ def _payloads(source: Source) -> Iterator[Tuple[int, str, str, Any]]:
         yield i, sample.key, source.location(i), sample.data
 
 
-def _prepare_item(recipe: Recipe, payload: Tuple[int, str, str, Any]) -> Tuple[bool, Any]:
+def _prepare_item(recipe: Recipe, payload: Tuple[int, str, str, Any]) -> Tuple[bool, Any, bool]:
     """_prepare_sample for a sample this process read (a payload of ``_payloads``); runs in a worker."""
     i, key, location, data = payload
     if isinstance(data, PackedFormatError):
-        return False, data
+        return False, data, False
     return _prepare(recipe, lambda: data, i, lambda: key, lambda: location)
 
 
 def _prepare(
     recipe: Recipe, load: Callable[[], Any], i: int, key: Callable[[], str], location: Callable[[], str]
-) -> Tuple[bool, Any]:
+) -> Tuple[bool, Any, bool]:
     try:
-        return True, recipe.apply(load())
+        stored = load()
+        return True, recipe.apply(stored), recipe.drops_alpha(stored)
     except codecs.DecodeError as exc:
         problem = str(exc)
     except PackedFormatError as exc:
-        return False, exc
+        return False, exc, False
     except Exception as exc:  # a decoder or resize failure we did not foresee: still name the file
         problem = f"cannot prepare the image: {exc!r}"
     error = CorruptSampleError(location(), problem, index=i, key=key(), hint="fix or remove it, or use --on-error skip")
-    return False, error
+    return False, error, False
 
 
 def _open_output(dst: str, format: str, recipe: Recipe, source: Source, shard_size, overwrite: bool) -> Any:
@@ -421,7 +436,9 @@ def clean_stale_temp_files(dst: "str | os.PathLike[str]") -> List[str]:
     stem, ext = os.path.splitext(name)
     part = re.compile(re.escape(stem) + r"-\d{5}" + re.escape(ext))
     removed = []
-    for entry in os.scandir(directory):
+    with os.scandir(directory) as listing:
+        entries = list(listing)
+    for entry in entries:
         match = _TEMP_NAME.match(entry.name)
         if match and (match["name"] == name or part.fullmatch(match["name"])) and not _pid_alive(int(match["pid"])):
             remove_path(entry.path)

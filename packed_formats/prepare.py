@@ -59,6 +59,14 @@ class Recipe:
             return pixels
         return codecs.encode(pixels, self.encoding, self.quality)
 
+    def drops_alpha(self, stored: "bytes | np.ndarray") -> bool:
+        """Whether making this sample drops a transparency (alpha) channel the source has."""
+        if self.mode == "encoded" and self.size is None and isinstance(stored, bytes):
+            return False  # the file's own bytes are kept
+        if isinstance(stored, np.ndarray):
+            return stored.ndim == 3 and stored.shape[2] == 4
+        return codecs.has_alpha(stored)
+
     def _pixels(self, stored: "bytes | np.ndarray") -> np.ndarray:
         if isinstance(stored, np.ndarray):
             if self.size is None or stored.shape[:2] == self.size:

@@ -217,3 +217,26 @@ def test_a_killed_make_loader_worker_is_reported_by_number_pid_and_signal(unifor
         os.kill(victim, signal.SIGKILL)  # torch notices in the main thread: here, inside the loop
         for _ in batches:
             pass
+
+
+@pytest.mark.parametrize("mode,warned", [("raw", True), ("encoded", False)])
+def test_a_dropped_alpha_channel_is_said_once_per_conversion(tmp_path, mode, warned):
+    import io
+    import warnings
+
+    import numpy as np
+    from PIL import Image
+
+    root = tmp_path / "src"
+    (root / "a").mkdir(parents=True)
+    for k in range(3):
+        buffer = io.BytesIO()
+        Image.fromarray(np.full((8, 8, 4), 60 * k, dtype=np.uint8), "RGBA").save(buffer, "PNG")
+        (root / "a" / f"{k}.png").write_bytes(buffer.getvalue())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pf.convert(root, tmp_path / "out.zip", mode=mode, size=8 if mode == "raw" else None, workers=1, quiet=True)
+    alpha = [w for w in caught if "transparency" in str(w.message)]
+    assert len(alpha) == (1 if warned else 0)
+    if warned:
+        assert "3 image(s)" in str(alpha[0].message) and issubclass(alpha[0].category, pf.SourceWarning)

@@ -35,7 +35,8 @@ def scan_image_folder(root: str) -> Tuple[List[str], List[str], List[int], int]:
     counted twice or under another class.  File names that are not valid
     UTF-8 come through as Python's surrogate-escaped strings and round-trip.
     """
-    classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+    with os.scandir(root) as entries:
+        classes = sorted(e.name for e in entries if e.is_dir() and not e.name.startswith("."))
     keys: List[str] = []
     labels: List[int] = []
     skipped = 0
@@ -62,7 +63,8 @@ def _walk_once(top: str, seen: set) -> Iterator[Tuple[str, List[str]]]:
         return
     seen.add(real)
     try:
-        entries = sorted(os.scandir(top), key=lambda e: e.name)
+        with os.scandir(top) as listing:
+            entries = sorted(listing, key=lambda e: e.name)
     except OSError as exc:
         warnings.warn(f"{top}: skipped, cannot list it ({exc.strerror})", SourceLinkWarning, stacklevel=3)
         return
@@ -85,11 +87,12 @@ class SourceLinkWarning(UserWarning):
 
 def looks_like_image_folder(root: str) -> bool:
     try:
-        for entry in os.scandir(root):
-            if entry.is_dir() and not entry.name.startswith("."):
-                for sub in os.scandir(entry.path):
-                    if sub.is_file() and is_image_file(sub.name):
-                        return True
+        with os.scandir(root) as entries:
+            for entry in entries:
+                if entry.is_dir() and not entry.name.startswith("."):
+                    with os.scandir(entry.path) as subs:
+                        if any(sub.is_file() and is_image_file(sub.name) for sub in subs):
+                            return True
     except OSError:
         return False
     return False

@@ -202,7 +202,8 @@ def _has_images_directly(path: str) -> bool:
     from ..backends.folder import is_image_file
 
     try:
-        return any(e.is_file() and is_image_file(e.name) for e in os.scandir(path))
+        with os.scandir(path) as entries:
+            return any(e.is_file() and is_image_file(e.name) for e in entries)
     except OSError:
         return False
 

@@ -35,7 +35,8 @@ class FlatFolderSource(FolderSource):
             raise InvalidSourceError(root, "--labels needs a folder of images as the source")
         if not os.path.isfile(labels_path):
             raise ArchiveNotFoundError(labels_path, "no such label file")
-        names = sorted(e.name for e in os.scandir(root) if e.is_file() and not e.name.startswith("."))
+        with os.scandir(root) as entries:
+            names = sorted(e.name for e in entries if e.is_file() and not e.name.startswith("."))
         labels_real = os.path.realpath(labels_path)
         names = [n for n in names if os.path.realpath(os.path.join(root, n)) != labels_real]
         images = [n for n in names if is_image_file(n)]

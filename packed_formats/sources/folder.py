@@ -52,7 +52,8 @@ class FolderSource(Source):
     @classmethod
     def _with_dataset_json(cls, root: str, content: bytes) -> "FolderSource":
         _, keys, _, skipped = scan_image_folder(root)
-        own = sorted(e.name for e in os.scandir(root) if e.is_file() and e.name != DATASET_JSON)
+        with os.scandir(root) as entries:
+            own = sorted(e.name for e in entries if e.is_file() and e.name != DATASET_JSON)
         names = [DATASET_JSON] + [n for n in own if is_image_file(n)] + keys
         layout = dataset_json_layout(root, names, 0, content)
         skipped += len(own) - sum(map(is_image_file, own))
