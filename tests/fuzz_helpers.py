@@ -289,6 +289,9 @@ def _child(connection, read, path: str, ref: Reference, mode: str) -> None:
     limit, then the read; the outcome goes back through ``connection``."""
     os.setpgid(0, 0)
     resource.setrlimit(resource.RLIMIT_AS, (CHILD_MEMORY_LIMIT, CHILD_MEMORY_LIMIT))
+    # A forked child must not enter the OpenMP thread pool its parent used (GNU OpenMP is not fork-safe:
+    # the child hangs); DataLoader's own workers run one torch thread for the same reason.
+    torch.set_num_threads(1)
     try:
         difference = read(path, ref, mode)
         outcome = Outcome(SAME) if difference is None else Outcome(WRONG, difference)
