@@ -8,6 +8,7 @@ import os
 import subprocess
 
 import pytest
+import torch
 
 import packed_formats as pf
 
@@ -66,5 +67,5 @@ def _read_all(path: str) -> int:
 def test_32_processes_open_and_read_one_archive_at_once(archives, kind):
     path = archives[kind]
     expected = _read_all(path)
-    with multiprocessing.get_context("fork").Pool(32) as pool:
+    with multiprocessing.get_context("fork").Pool(32, initializer=torch.set_num_threads, initargs=(1,)) as pool:
         assert pool.map(_read_all, [path] * 32) == [expected] * 32
