@@ -258,6 +258,15 @@ def folder_order(keys: Sequence[str]) -> List[int]:
     return sorted(range(len(keys)), key=sort_key)
 
 
+def in_folder_order(
+    keys: Sequence[str], items: Sequence[Any], labels_of_class: Dict[str, int]
+) -> Tuple[List[str], List[Any], List[int]]:
+    """``keys`` and their ``items`` in ImageFolder order (``folder_order``), and each key's label from its class."""
+    order = folder_order(keys)
+    ordered = [keys[j] for j in order]
+    return ordered, [items[j] for j in order], [labels_of_class[k.split("/", 1)[0]] for k in ordered]
+
+
 # ---- files -------------------------------------------------------------------------------------
 class FilePool:
     """Read-only descriptors of this process, by path, for ``os.pread`` (at most ``size`` open).

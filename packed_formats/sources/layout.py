@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..backends.folder import is_image_file
 from ..errors import InvalidSourceError
-from .base import classes_and_labels, folder_order, is_junk
+from .base import classes_and_labels, folder_order, in_folder_order, is_junk
 
 DATASET_JSON = "dataset.json"
 
@@ -171,10 +171,7 @@ def image_folder_layout(path: str, names: Sequence[str], dirs: Sequence[str], su
             keys.append(key)
         else:
             skipped += 1
-    order = folder_order(keys)
-    keys = [keys[k] for k in order]
-    members = [chosen[k] for k in order]
-    labels = [lookup[k.split("/", 1)[0]] for k in keys]
+    keys, members, labels = in_folder_order(keys, chosen, lookup)
     description = f"ImageFolder tree under {root}/" if root else "ImageFolder tree"
     return Layout(sorted_classes, members, keys, labels, skipped, description)
 

@@ -13,7 +13,7 @@ from typing import Dict, List
 
 from ..backends.folder import is_image_file
 from ..errors import InvalidSourceError
-from .base import SourceOptions, folder_order, is_junk
+from .base import SourceOptions, in_folder_order, is_junk
 from .tarfiles import TarBackedSource, TarListing, TarSamples, refuse_unsafe
 
 
@@ -55,10 +55,7 @@ class NestedTarSource(TarBackedSource):
                 keys.append(f"{stems[outer]}/{name}")
             else:
                 skipped += 1
-        order = folder_order(keys)
-        keys = [keys[j] for j in order]
-        seqs = [seqs[j] for j in order]
-        labels = [lookup[k.split("/", 1)[0]] for k in keys]
+        keys, seqs, labels = in_folder_order(keys, seqs, lookup)
         compressed = " (compressed)" if listing.compressed[0] else ""
         return cls(
             path, classes, keys, labels, TarSamples(listing, seqs), skipped, failed,
