@@ -61,6 +61,20 @@ def decode_jpeg(data: bytes, min_size: Optional[Tuple[int, int]] = None) -> Opti
         return None
 
 
+def jpeg_decodes(data: bytes) -> bool:
+    """Whether the native decoder reads the whole JPEG strictly, at the cheapest setting that still
+    decodes every entropy-coded block (1/8 scale, grey: no inverse DCT to speak of, no colour
+    conversion): about three times faster than a full decode, and truncation fails it the same way.
+    False also where there is no native decoder or it leaves the file to Pillow."""
+    if simplejpeg is None:
+        return False
+    try:
+        simplejpeg.decode_jpeg(data, colorspace="GRAY", min_width=1, min_height=1, strict=True)
+    except (ValueError, RuntimeError, OSError):
+        return False
+    return True
+
+
 def to_grey(rgb: np.ndarray) -> np.ndarray:
     """HxWx3 uint8 RGB -> HxWx1 "L", bit for bit as Pillow's ``convert("L")``."""
     r, g, b = (rgb[:, :, c].astype(np.uint32) for c in range(3))

@@ -92,6 +92,15 @@ def decode(
     return codecs.pil_to_array(image, channels)
 
 
+def check_decodes(data: bytes) -> None:
+    """codecs.DecodeError unless ``data`` decodes completely (what a converter keeping the file's
+    own bytes proves of each one): natively and cheaply for JPEG, by Pillow otherwise or when
+    the native check fails (Pillow then decodes it, e.g. a CMYK JPEG, or says why not)."""
+    if codecs.sniff(data) == "jpeg" and native.jpeg_decodes(data):
+        return
+    codecs.open_image(data)
+
+
 def _decode_natively(
     data: bytes, channels: int, size: Optional[Tuple[int, int]], resize_mode: str
 ) -> Optional[np.ndarray]:

@@ -51,7 +51,7 @@ class Recipe:
         """The destination's sample (raises codecs.DecodeError for a bad image)."""
         if self.mode == "encoded" and self.size is None:
             if isinstance(stored, bytes) and codecs.sniff(stored) is not None:
-                codecs.open_image(stored)  # full decode: truncated or corrupt files fail here
+                policy.check_decodes(stored)  # a whole decode: truncated or corrupt files fail here
                 return stored
             return codecs.encode(self._pixels(stored), self.encoding, self.quality)
         pixels = self._pixels(stored)

@@ -94,3 +94,19 @@ def test_png_is_decoded_by_pillow_and_resized_by_torch():
 def test_an_unknown_resize_mode_is_refused():
     with pytest.raises(ValueError, match="resize mode"):
         policy.decode(_jpeg(_photo()), 3, (32, 32), "squash")
+
+
+@pytest.mark.parametrize("cut", [2, 300])
+def test_the_converters_cheap_check_refuses_truncated_jpegs(monkeypatch, cut):
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)
+    data = _jpeg(_photo())
+    policy.check_decodes(data)
+    assert native.jpeg_decodes(data)
+    assert not native.jpeg_decodes(data[:-cut])
+    with pytest.raises(codecs.DecodeError, match="truncated"):
+        policy.check_decodes(data[:-cut])
+
+
+def test_the_cheap_check_leaves_cmyk_to_pillow():
+    data = _jpeg(_photo().convert("CMYK"))
+    policy.check_decodes(data)  # native refuses the colour space; Pillow reads it
