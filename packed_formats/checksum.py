@@ -17,9 +17,9 @@ except ImportError:  # pragma: no cover - isal is a dependency where wheels exis
 KIND = "crc32"
 
 
-def crc32(data) -> int:
-    """CRC32 of any buffer (bytes, memoryview, contiguous numpy array)."""
-    return _crc32(data)
+def crc32(data, value: int = 0) -> int:
+    """CRC32 of any buffer (bytes, memoryview, contiguous numpy array), continuing from ``value``."""
+    return _crc32(data, value)
 
 
 def array_crc32(array: "np.ndarray") -> int:

@@ -143,3 +143,62 @@ class DataLoaderWorkerError(PackedFormatError):
 
 class ConversionFailedError(PackedFormatError):
     """A conversion stopped for a reason outside any one sample (e.g. a worker process was killed)."""
+
+
+class TooManyOpenFilesError(PackedFormatError):
+    """The process (or the whole system) has no file descriptor left to open an archive or part with.
+
+    ``ulimit -n`` shows how many files a process may open; a sharded archive
+    keeps at most ``max_open_parts`` of its parts open in each process (see
+    ``packed_formats.backends.sharded``).
+    """
+
+    HINT = "raise the open-file limit (e.g. `ulimit -n 4096` in the shell that starts Python)"
+
+    @staticmethod
+    def limit() -> Optional[int]:
+        """How many files this process may open (its soft RLIMIT_NOFILE), None where unlimited or unknown."""
+        try:
+            import resource
+
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        except (ImportError, OSError, ValueError):
+            return None
+        return None if soft == resource.RLIM_INFINITY else int(soft)
+
+    @staticmethod
+    def in_use() -> Optional[int]:
+        """How many file descriptors this process has open (None where the system does not say)."""
+        try:
+            return len(os.listdir("/proc/self/fd")) - 1  # less the one listing the directory
+        except OSError:
+            return None
+
+    @classmethod
+    def usage(cls) -> str:
+        """This process's descriptors in use and its limit, in words."""
+        used, limit = cls.in_use(), cls.limit()
+        allowed = "no limit" if limit is None else f"a limit of {limit}"
+        held = "an unknown number of" if used is None else str(used)  # None: not even their list opens
+        return f"this process has {held} files open, with {allowed} (`ulimit -n`)"
+
+    @staticmethod
+    def describes(exc: Optional[BaseException]) -> bool:
+        """Whether ``exc``, or an exception it was raised while handling, is EMFILE or ENFILE.
+
+        Libraries report it their own way: h5py keeps the errno, LMDB and torch
+        only the text, and a backend may have wrapped it as a damaged archive.
+        """
+        import errno
+
+        codes = (errno.EMFILE, errno.ENFILE)
+        texts = tuple(os.strerror(code) for code in codes)
+        seen = set()
+        while exc is not None and id(exc) not in seen:
+            seen.add(id(exc))
+            if isinstance(exc, OSError) and exc.errno in codes:
+                return True
+            if any(text in str(exc) for text in texts):
+                return True
+            exc = exc.__cause__ or exc.__context__
+        return False

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import mmap
 from typing import Dict, Optional, Sequence
 
 import numpy as np
@@ -56,6 +57,10 @@ class SampleIndex:
             positions=_optional(arrays, "positions", np.int64),
         )
 
+    def mapped(self) -> bool:
+        """Whether every array is a map of the archive's file (see ``file_backed``)."""
+        return all(file_backed(array) for array in self.arrays().values())
+
     def nbytes(self, i: int) -> int:
         if self.offsets is None:
             raise TypeError("this index stores no offsets, so no sample sizes")
@@ -64,6 +69,18 @@ class SampleIndex:
 
 def _optional(arrays: Dict[str, np.ndarray], name: str, dtype) -> Optional[np.ndarray]:
     return None if name not in arrays else np.asarray(arrays[name], dtype=dtype)
+
+
+def file_backed(array: np.ndarray) -> bool:
+    """Whether an array's memory is a map of a file (``np.memmap``, a view of an ``mmap``, or of
+    a map that says ``maps_a_file``, as ``backends.index_map`` makes):
+    such an index costs a process page cache, not private memory, and is mapped again, not pickled."""
+    base: object = array
+    while base is not None:
+        if isinstance(base, (np.memmap, mmap.mmap)) or getattr(base, "maps_a_file", False):
+            return True
+        base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
+    return False
 
 
 def decode_key(raw: bytes) -> str:
@@ -103,19 +120,22 @@ class IndexBuilder:
             "sizes": np.empty(1024, dtype=np.int64),
             "positions": np.empty(1024, dtype=np.int64),
         }
-        self._keys: list = []  # str objects, held by the single writer process only
+        self._key_bytes = bytearray()  # every key's UTF-8 bytes, one after the other
+        self._key_ends = np.empty(1024, dtype=np.int64)  # never a str object per sample
         self.count = 0
 
     def append(self, label: int, key: str, crc: int, size: int, position: int = -1) -> None:
         if self.count == len(self._columns["labels"]):
             for name, column in self._columns.items():
                 self._columns[name] = np.resize(column, 2 * self.count)
+            self._key_ends = np.resize(self._key_ends, 2 * self.count)
         row = self.count
         self._columns["labels"][row] = label
         self._columns["crc32"][row] = crc
         self._columns["sizes"][row] = size
         self._columns["positions"][row] = position
-        self._keys.append(key)
+        self._key_bytes += key.encode("utf-8", "surrogateescape")
+        self._key_ends[row] = len(self._key_bytes)
         self.count += 1
 
     def build(self, offsets: bool = False, positions: bool = False) -> SampleIndex:
@@ -127,8 +147,22 @@ class IndexBuilder:
             np.cumsum(column["sizes"], out=offset_array[1:])
         return SampleIndex(
             labels=column["labels"],
-            keys=encode_keys(self._keys),
+            keys=self._keys(),
             crc32=column["crc32"],
             offsets=offset_array,
             positions=column["positions"] if positions else None,
         )
+
+    def _keys(self, rows_per_step: int = 1 << 16) -> np.ndarray:
+        """The keys as a fixed-width bytes array, made from the flat buffer a slice of rows at a time."""
+        n = self.count
+        ends = self._key_ends[:n]
+        starts = np.concatenate(([0], ends[:-1])) if n else ends
+        width = max(1, int((ends - starts).max())) if n else 1
+        keys = np.empty(n, dtype=f"S{width}")
+        with memoryview(self._key_bytes) as data:  # no copy of the whole buffer
+            for first in range(0, n, rows_per_step):
+                last = min(n, first + rows_per_step)
+                pairs = zip(starts[first:last].tolist(), ends[first:last].tolist())
+                keys[first:last] = [bytes(data[a:b]) for a, b in pairs]
+        return keys

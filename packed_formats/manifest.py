@@ -15,8 +15,11 @@ MODES = ("raw", "encoded")
 CHECKSUM = "crc32"
 # The newest archive layout this library reads and writes.  Version 2 adds the CRC32 of
 # every index array (``index_crc32``) and of the manifest itself (``manifest_crc32``);
-# version 1 archives are still read, their index unchecked.
-FORMAT_VERSION = 2
+# version 1 archives are still read, their index unchecked.  Version 3: raw HDF5 archives
+# store each image's chunk position in the index, and ZIP archives carry a locator of their
+# manifest and index in the end record's comment (both read in constant time).  Versions 1
+# and 2 are still read; a reader that knows only 2 says "upgrade" instead of "damaged".
+FORMAT_VERSION = 3
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,14 +24,17 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import os
 import sys
 import uuid
 import weakref
-from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
+from multiprocessing.reduction import ForkingPickler
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, TypeVar, Union, cast
 
 import numpy as np
 import torch
 
+from .errors import TooManyOpenFilesError
 from .handles import ProcessLocal
 
 HUGE_PAGE = 2 << 20
@@ -361,3 +364,59 @@ def memory_format_of(batch: torch.Tensor) -> torch.memory_format:
     if batch.shape[1] > 1 and batch.stride(1) == 1:
         return torch.channels_last
     return torch.contiguous_format
+
+
+# ---- handing a batch back ---------------------------------------------------------------------------
+T = TypeVar("T")
+
+
+class _HandedBack:
+    """A worker's item, pickled already (see ``hand_back``); it unpickles as the item itself."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def __reduce__(self):
+        return _unpickled, (self.data,)
+
+
+def _unpickled(data: bytes) -> Any:
+    return ForkingPickler.loads(data)
+
+
+def hand_back(item: T, path: str) -> T:
+    """``item`` as a DataLoader worker returns it: pickled now, in the worker's own thread.
+
+    The DataLoader pickles what a worker returns in its queue's feeder thread,
+    where a failure (sharing a tensor's memory takes a file descriptor, and the
+    worker may have none left) is printed and the batch dropped: the main
+    process would then wait for that batch forever.  Pickled here, a failure is
+    the worker's own exception, which the DataLoader raises in the main process;
+    ``path`` (the archive) names it.  The main process unpickles ``item`` itself.
+    """
+    if torch.utils.data.get_worker_info() is None:
+        return item
+    try:
+        data = bytes(ForkingPickler.dumps(item))
+    except Exception as exc:
+        if TooManyOpenFilesError.describes(exc) or _out_of_descriptors():
+            raise TooManyOpenFilesError(
+                path, f"a DataLoader worker has no file descriptor left to hand a batch back with "
+                      f"({type(exc).__name__}: {exc}; {TooManyOpenFilesError.usage()})",
+                hint=f"{TooManyOpenFilesError.HINT}, or let the workers hold fewer files open "
+                     "(for a sharded archive, a lower max_open_parts)",
+            ) from None
+        raise
+    return cast(T, _HandedBack(data))
+
+
+def _out_of_descriptors() -> bool:
+    """Whether this process cannot open one more file now (some libraries hide EMFILE: Python's
+    ``tempfile`` reports it as no usable temporary directory)."""
+    try:
+        os.close(os.open(os.devnull, os.O_RDONLY))
+    except OSError as exc:
+        return TooManyOpenFilesError.describes(exc)
+    return False

@@ -31,7 +31,7 @@ def test_reconverting_in_place_gives_new_datasets_the_new_archive(two_folders, t
     first, second = two_folders
     path = tmp_path / f"data.{EXTENSION.get(fmt, fmt)}"
     pf.convert(first, path, format=fmt, mode=mode, size=16, workers=1, quiet=True)
-    old = pf.PackedDataset(path)
+    old = pf.PackedDataset(path, output="tensor")
     old_first = old[0][0].clone()
     other = "encoded" if mode == "raw" else "raw"
     pf.convert(second, path, format=fmt, mode=other, size=16, workers=1, quiet=True, overwrite=True)
@@ -53,3 +53,13 @@ def test_an_archive_removed_before_the_first_read_is_reported_as_not_found(archi
     (shutil.rmtree if os.path.isdir(path) else os.unlink)(path)
     with pytest.raises(pf.ArchiveNotFoundError, match="gone"):
         dataset[0]
+
+
+def test_a_link_to_a_deleted_archive_is_not_found(tmp_path, uniform_archives):
+    target = tmp_path / "staged.zip"
+    shutil.copy(uniform_archives[("zip", "raw")], target)
+    link = tmp_path / "data.zip"
+    link.symlink_to(target)
+    target.unlink()
+    with pytest.raises(pf.ArchiveNotFoundError, match="a link to .*staged.zip, which does not exist"):
+        pf.open_archive(link)

@@ -78,8 +78,11 @@ def detect_format(path: "str | os.PathLike[str]", expected: Optional[str] = None
     path = os.fspath(path)
     if expected is not None:
         spec(expected)
-    if not os.path.lexists(path):
-        raise ArchiveNotFoundError(path, "no such file or directory", hint="check the path")
+    if not os.path.exists(path):
+        problem = "no such file or directory"
+        if os.path.islink(path):
+            problem += f": a link to {os.readlink(path)}, which does not exist"
+        raise ArchiveNotFoundError(path, problem, hint="check the path")
     try:
         found = sniff_format(path)
     except OSError as exc:
@@ -99,13 +102,20 @@ def detect_format(path: "str | os.PathLike[str]", expected: Optional[str] = None
     return found
 
 
-def open_archive(path: "str | os.PathLike[str]", format: Optional[str] = None, verify: VerifyPolicy = True) -> Reader:
+def open_archive(
+    path: "str | os.PathLike[str]", format: Optional[str] = None, verify: VerifyPolicy = True,
+    *, max_open_parts: Optional[int] = None,
+) -> Reader:
     """Open any archive (format auto-detected) as a Reader.
 
     ``verify``: check each sample's CRC32 on every read (True), the first time
-    each process reads it ("once"), or never (False).
+    each process reads it ("once"), or never (False).  ``max_open_parts``: how
+    many parts of a sharded archive each process keeps open at once (default:
+    ``PF_MAX_OPEN_PARTS``, else from the open-file limit; see ``backends.sharded``).
     """
-    return Reader(path, spec(detect_format(path, format)).backend, verify=verify)
+    reader = Reader(path, spec(detect_format(path, format)).backend, verify=verify)
+    sharded.limit_open_parts(reader, max_open_parts)
+    return reader
 
 
 def open_writer(path: "str | os.PathLike[str]", format: str = "zip", **options) -> Writer:

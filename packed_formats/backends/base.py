@@ -36,6 +36,7 @@ from ..errors import (
     InvalidSampleError,
     PackedFormatError,
     SampleIndexError,
+    TooManyOpenFilesError,
 )
 from ..handles import ProcessLocal, SharedHandle
 from ..index import IndexBuilder, SampleIndex
@@ -303,6 +304,11 @@ class Reader:
             raise ClosedArchiveError(self.path, "the reader is closed")
         return self._claim.get()
 
+    def release_handle(self) -> None:
+        """Release this process's handle but stay open: the next read opens it again
+        (how a sharded archive bounds the parts each process holds open)."""
+        self._claim.release()
+
     def close(self) -> None:
         """Release this process's handle; further reads raise ClosedArchiveError."""
         self._claim.release()
@@ -324,6 +330,20 @@ class Reader:
             self._claim.release()
         except Exception:
             pass
+
+    # ---- pickling (spawn and forkserver workers) ----
+    def __getstate__(self) -> dict:
+        """A mapped index travels as the archive's description and is mapped again by the receiving
+        process (pages shared through the page cache), never as a pickled copy of every array."""
+        state = self.__dict__.copy()
+        if self.backend.index.mapped():
+            state["backend"] = _MappedBackend(type(self.backend), self.path, self.backend.identity)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        if isinstance(state["backend"], _MappedBackend):
+            state["backend"] = state["backend"].load()
+        self.__dict__.update(state)
 
     # ---- reading ----
     def check_index(self, i: int) -> int:
@@ -453,6 +473,29 @@ class Reader:
                 )
 
 
+@dataclasses.dataclass(frozen=True)
+class _MappedBackend:
+    """What a Reader with a mapped index pickles in place of its backend."""
+
+    backend: Type[Backend]
+    path: str
+    identity: Optional[Identity]
+
+    def load(self) -> Backend:
+        """The backend again, its index mapped in this process: the same file, or ArchiveChangedError
+        (the sending process checked the index; a changed file would not be the one it checked)."""
+        with named_failures(self.path, "cannot read the archive's metadata"):
+            backend = self.backend.load(self.path)
+        data_file = backend.data_file()
+        backend.identity = None if data_file is None else file_identity(data_file)
+        if backend.identity != self.identity:
+            raise ArchiveChangedError(
+                self.path, "the archive was replaced or modified after it was opened",
+                hint="re-create the dataset; never rewrite an archive that is being read",
+            )
+        return backend
+
+
 @contextlib.contextmanager
 def named_failures(
     path: str, doing: str, index: Optional[int] = None, index_data: Optional[SampleIndex] = None
@@ -462,7 +505,11 @@ def named_failures(
     (and sample ``index``, with its key from ``index_data``)."""
     try:
         yield
-    except PackedFormatError:
+    except TooManyOpenFilesError:
+        raise
+    except PackedFormatError as exc:
+        if TooManyOpenFilesError.describes(exc):  # a backend took the failed open for damage
+            raise _no_descriptor_left(path, doing) from None
         raise
     except FileTruncatedError as exc:
         raise ArchiveChangedError(
@@ -471,11 +518,19 @@ def named_failures(
     except MemoryError:
         raise
     except Exception as exc:  # a damaged file can make a library fail in any way
+        if TooManyOpenFilesError.describes(exc):
+            raise _no_descriptor_left(path, doing) from None
         problem = f"{doing}: {type(exc).__name__}: {exc}"
         if index is None:
             raise CorruptArchiveError(path, problem, hint=DAMAGED_HINT) from None
         key = None if index_data is None else index_data.key(index)
         raise CorruptSampleError(path, problem, index=index, key=key, hint=DAMAGED_HINT) from None
+
+
+def _no_descriptor_left(path: str, doing: str) -> TooManyOpenFilesError:
+    """EMFILE or ENFILE, named as such: the archive is fine, the process is out of file descriptors."""
+    usage = TooManyOpenFilesError.usage()
+    return TooManyOpenFilesError(path, f"{doing}: too many open files ({usage})", hint=TooManyOpenFilesError.HINT)
 
 
 def _close_handle(handle: Handle) -> None:
@@ -571,6 +626,12 @@ class Writer(WriteTransaction):
     def discard(self) -> None:
         """Close whatever is open, quietly (the temporary output is removed after)."""
 
+    def final_positions(self) -> Optional[np.ndarray]:
+        """Each sample's file position, for formats that know them only once every sample is
+        written (HDF5 allocates chunks itself); stored as the index's ``positions``, under its
+        checksum.  None (the default): the positions ``append`` returned, if any."""
+        return None
+
     @property
     def raw_shape(self) -> Tuple[int, int, int]:
         """(H, W, C) of a raw archive's samples."""
@@ -601,6 +662,9 @@ class Writer(WriteTransaction):
         self._closed = True
         try:
             index = self._builder.build(offsets=self.mode == "encoded", positions=self.stores_positions)
+            positions = self.final_positions()
+            if positions is not None:
+                index = dataclasses.replace(index, positions=np.asarray(positions, dtype=np.int64))
             checksums = [(name, array_crc32(array)) for name, array in index.arrays().items()]
             manifest = new_manifest(
                 self.format_name, self.mode, len(index), self.classes, self.shape, self._manifest_encoding(), checksums

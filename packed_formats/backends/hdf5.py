@@ -5,43 +5,83 @@ Readable by ``h5ls``/``h5dump``/plain h5py.  Files are opened read-only with
 file locking off (safe for sealed archives, and needed on Lustre/NFS), and a
 handle inherited through fork is closed in the child before reopening: HDF5
 would otherwise hand the child the parent's file id.
+
+Opening costs the same at any number of samples.  The index datasets are
+written contiguous and unfiltered, so readers map them from the file
+(``index_map``) instead of loading them; a raw archive stores each image's
+chunk address in the index (``positions``) at write time, so readers map the
+images without listing HDF5's chunks (one pass over its chunk B-tree, ~1 s
+per million images, in every process) -- archives written before that are
+still listed.  Raw images are read from the map or with ``read_direct_chunk``,
+neither of which uses HDF5's chunk cache, so raw archives are opened with
+none; encoded ones keep a small one (see ``ENCODED_CACHE_BYTES``).  The
+index lives in the data file: a file truncated under a reader is caught
+before each read (``check_size``), as reading a mapped page it no longer has
+would end the process with SIGBUS.
 """
 
 from __future__ import annotations
 
 import errno
 import os
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import h5py
 import numpy as np
 
-from ..errors import ArchiveNotFoundError, CorruptArchiveError, IncompleteArchiveError, UnknownFormatError
+from ..errors import (
+    ArchiveNotFoundError,
+    CorruptArchiveError,
+    IncompleteArchiveError,
+    PackedFormatError,
+    UnknownFormatError,
+)
 from ..index import SampleIndex
 from ..manifest import ArchiveManifest
-from . import mapped
+from . import index_map, mapped
 from .base import Backend, FormatSpec, Handle, Identity, Writer, fd_identity
 
 MANIFEST_ATTR = "packed_formats_manifest"
-CHUNK_CACHE_BYTES = 4 << 20
 _ENCODED_CHUNK = 1 << 16
-_INDEX_NAMES = ("labels", "keys", "crc32", "offsets")
+# Encoded reads slice the flat byte dataset through HDF5's chunk cache.  Without one, a
+# random read reads just its bytes (measured as fast as with 4 MiB); a few chunks let a
+# sequential read take its first chunk from the previous sample's.  The cache is per open
+# file and per process (a 1,000-part sharded set opens 1,000), so it is kept this small.
+ENCODED_CACHE_BYTES = 4 * _ENCODED_CHUNK
+_ENCODED_CACHE_SLOTS = 101  # a prime well above the chunks the cache holds, as HDF5 advises
+_INDEX_NAMES = ("labels", "keys", "crc32", "offsets", "positions")
+_SAMPLE_NAMES = ("images", "data")
+_AGREE_ROWS = 16  # index entries compared, at each end, between a mapped index array and HDF5's read
+CONVERT_HINT = "convert it into one first: `packed-formats convert SRC DST`"
 
 
 class HDF5Handle(Handle):
-    """An open file and its sample dataset (looked up once, not per read)."""
+    """An open file and its sample dataset (looked up once, not per read), and the size the
+    file must keep: the index arrays are mapped from it."""
 
-    def __init__(self, file: h5py.File, data: h5py.Dataset) -> None:
-        self.file, self.data = file, data
+    def __init__(self, file: h5py.File, data: h5py.Dataset, needed: int = 0) -> None:
+        self.file, self.data, self.needed = file, data, needed
         plist = data.id.get_create_plist()
         self.whole_chunks = data.ndim == 4 and data.chunks == (1,) + data.shape[1:] and plist.get_nfilters() == 0
         self.rows: "Optional[mapped.MappedRows | bool]" = None  # False: not mappable
 
-    def mapped_rows(self, path: str, identity: Optional[Identity]) -> "Optional[mapped.MappedRows]":
+    def check_size(self) -> None:
+        """FileTruncatedError when the file became shorter than when it was opened: its mapped
+        index (and images) may lie in what was cut off, and touching that is SIGBUS."""
+        size = os.fstat(self.file.id.get_vfd_handle()).st_size
+        if size < self.needed:
+            raise mapped.FileTruncatedError(
+                f"the file was truncated to {size} bytes while mapped ({self.needed} bytes)"
+            )
+
+    def mapped_rows(
+        self, path: str, identity: Optional[Identity], positions: Optional[np.ndarray]
+    ) -> "Optional[mapped.MappedRows]":
         """The images' chunks in a map of the file (made once), when every image is one
-        unfiltered chunk that HDF5 can list (h5py >= 3.8), else None."""
+        unfiltered chunk at a known address (the index's ``positions``, else listed by
+        HDF5 >= h5py 3.8), else None."""
         if self.rows is None:
-            self.rows = _map_chunks(path, identity, self.data) or False
+            self.rows = _map_chunks(path, identity, self.data, positions) or False
         return self.rows if isinstance(self.rows, mapped.MappedRows) else None
 
     def close(self) -> None:
@@ -91,11 +131,19 @@ class HDF5Writer(Writer):
             self._filled += len(array)
         return -1
 
+    def final_positions(self) -> Optional[np.ndarray]:
+        """Each image's chunk address (raw mode), listed once here so that readers never list them."""
+        if self.mode != "raw" or not len(self):
+            return None
+        self._data.resize(len(self), axis=0)
+        self._file.flush()  # a chunk still in HDF5's cache has no address yet
+        return _chunk_positions(self._data)
+
     def finish(self, index: SampleIndex, manifest: ArchiveManifest) -> None:
         _ensure_room(self.temp_path, sum(a.nbytes for a in index.arrays().values()) + len(manifest.to_json()))
         self._data.resize(len(index) if self.mode == "raw" else self._filled, axis=0)
         for name, array in index.arrays().items():
-            self._file.create_dataset(name, data=array)
+            self._file.create_dataset(name, data=array)  # contiguous and unfiltered: readers map it
         self._file.attrs[MANIFEST_ATTR] = manifest.to_json()  # the seal, written last
         self._file.close()
 
@@ -120,11 +168,11 @@ def _ensure_room(path: str, nbytes: int) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
 
 
-def _open_file(path: str) -> h5py.File:
+def _open_file(path: str, cache_bytes: int = 0, cache_slots: int = 1) -> h5py.File:
     if not os.path.exists(path):
         raise ArchiveNotFoundError(path, "no such file")
     try:
-        return h5py.File(path, "r", locking=False, rdcc_nbytes=CHUNK_CACHE_BYTES)
+        return h5py.File(path, "r", locking=False, rdcc_nbytes=cache_bytes, rdcc_nslots=cache_slots)
     except OSError as exc:
         raise IncompleteArchiveError(
             path, f"HDF5 cannot open it ({exc})", hint="the file is truncated, damaged or its writer was killed"
@@ -138,25 +186,27 @@ class HDF5Backend(Backend[HDF5Handle]):
     def read_metadata(cls, path: str) -> Tuple[ArchiveManifest, SampleIndex]:
         with _open_file(path) as file:
             if MANIFEST_ATTR not in file.attrs:
-                raise IncompleteArchiveError(path, "no manifest: the archive was never sealed")
+                raise _missing_manifest(path, file)
             try:
                 manifest = ArchiveManifest.from_json(file.attrs[MANIFEST_ATTR], path=path)
-                index = SampleIndex.from_arrays({n: file[n][()] for n in _INDEX_NAMES if n in file})
+                index = SampleIndex.from_arrays(_index_arrays(file))
             except (OSError, KeyError, ValueError) as exc:
                 raise CorruptArchiveError(path, f"cannot read the archive index: {exc}") from None
         return manifest, index
 
     def open(self) -> HDF5Handle:
-        file = _open_file(self.path)
+        raw = self.manifest.mode == "raw"
+        file = _open_file(self.path, *((0, 1) if raw else (ENCODED_CACHE_BYTES, _ENCODED_CACHE_SLOTS)))
         name = "images" if "images" in file else "data"
         if name not in file:
             file.close()
             raise UnknownFormatError(
                 self.path, "an HDF5 file, but not a packed_formats archive (no images/data dataset)"
             )
-        return HDF5Handle(file, file[name])
+        return HDF5Handle(file, file[name], needed=0 if self.identity is None else self.identity[2])
 
     def read(self, handle: HDF5Handle, i: int) -> "np.ndarray | bytes":
+        handle.check_size()
         if self.manifest.mode != "raw":
             start, stop = int(self.offsets[i]), int(self.offsets[i + 1])
             return self._h5_call(i, handle.data.__getitem__, slice(start, stop))
@@ -165,8 +215,9 @@ class HDF5Backend(Backend[HDF5Handle]):
         return self._h5_call(i, handle.data.__getitem__, i).reshape(-1)
 
     def read_batch(self, handle: HDF5Handle, idx: np.ndarray, out: np.ndarray) -> None:
+        handle.check_size()
         whole = handle.whole_chunks and out.flags.c_contiguous
-        rows = handle.mapped_rows(self.path, self.identity) if whole else None
+        rows = handle.mapped_rows(self.path, self.identity, self.index.positions) if whole else None
         if rows is not None:  # ~2.5x faster than the chunk reads below once the pages are mapped
             rows.gather(idx, out)
             return
@@ -180,6 +231,8 @@ class HDF5Backend(Backend[HDF5Handle]):
             self._h5_call(int(i), _read_chunk_into, handle.data.id, _chunk_of(int(i), out.ndim), out[j].reshape(-1))
 
     def sample_location(self, i: int) -> Optional[Tuple[str, int]]:
+        if self.manifest.mode == "raw" and self.index.positions is not None:
+            return self.path, int(self.index.positions[i])
         with h5py.File(self.path, "r", locking=False) as file:
             if self.manifest.mode == "raw":
                 info = file["images"].id.get_chunk_info_by_coord(_chunk_of(i, 4))
@@ -196,8 +249,9 @@ class HDF5Backend(Backend[HDF5Handle]):
             raise self.corrupt(f"HDF5 read failed: {exc}", i) from None
 
 
-def _map_chunks(path: str, identity: Optional[Identity], data: h5py.Dataset) -> "Optional[mapped.MappedRows]":
-    """Map the file at ``path`` and find each image's chunk in it; None where that cannot be trusted."""
+def _chunk_positions(data: h5py.Dataset) -> Optional[np.ndarray]:
+    """Each image's chunk address, listed by HDF5 in one pass over the dataset's chunk index;
+    None when this h5py cannot list chunks (before 3.8) or an image has none in the file."""
     if data.shape[0] == 0 or not hasattr(data.id, "chunk_iter"):
         return None
     positions = np.full(data.shape[0], -1, dtype=np.int64)
@@ -211,6 +265,18 @@ def _map_chunks(path: str, identity: Optional[Identity], data: h5py.Dataset) -> 
         return None
     if (positions < 0).any():  # unwritten chunks read as fill values: not in the file
         return None
+    return positions
+
+
+def _map_chunks(
+    path: str, identity: Optional[Identity], data: h5py.Dataset, positions: Optional[np.ndarray]
+) -> "Optional[mapped.MappedRows]":
+    """Map the file at ``path`` with each image's chunk at ``positions`` (listed by HDF5 when the
+    index has none: archives written before they were stored); None where that cannot be trusted."""
+    if positions is None:
+        positions = _chunk_positions(data)
+    if positions is None or len(positions) != data.shape[0] or not len(positions):
+        return None
     fd = os.open(path, os.O_RDONLY)
     try:
         if identity not in (None, fd_identity(fd)):
@@ -218,14 +284,89 @@ def _map_chunks(path: str, identity: Optional[Identity], data: h5py.Dataset) -> 
         rows = mapped.MappedRows.of(fd, positions, int(np.prod(data.shape[1:])))
     finally:
         os.close(fd)
-    if rows is not None and rows.flat is not None:  # chunk addresses are relative to HDF5's base address
-        first = np.empty(data.shape[1:], dtype=np.uint8)
-        data.read_direct(first, np.s_[0])
-        start = int(positions[0])
-        if not np.array_equal(rows.flat[start : start + first.size].numpy(), first.ravel()):
-            rows.close()
-            return None
+    if rows is not None and not _rows_agree(rows, data, positions):
+        rows.close()
+        return None
     return rows
+
+
+def _rows_agree(rows: mapped.MappedRows, data: h5py.Dataset, positions: np.ndarray) -> bool:
+    """Whether the first, middle and last images read through HDF5 equal their mapped bytes: a
+    cheap check that the positions are this file's (a file rewritten by another tool, or
+    chunk addresses relative to a user block, would fail it); each sample's CRC32 checks the rest."""
+    if rows.flat is None:
+        return False
+    image = np.empty(data.shape[1:], dtype=np.uint8)
+    n = len(positions)
+    for i in sorted({0, n // 2, n - 1}):
+        data.read_direct(image, np.s_[i])
+        start = int(positions[i])
+        if not np.array_equal(rows.flat[start : start + image.size].numpy(), image.ravel()):
+            return False
+    return True
+
+
+# ---- the index, mapped ------------------------------------------------------------------------
+def _index_arrays(file: h5py.File) -> Dict[str, np.ndarray]:
+    """The index datasets, each a map of the file where HDF5 stores it as plain bytes (how this
+    writer stores them), else read into memory (or where the map disagrees with HDF5's read)."""
+    datasets = {name: file[name] for name in _INDEX_NAMES if name in file}
+    where = {}
+    for name, dataset in datasets.items():
+        at = _stored_at(dataset)
+        if at is not None:
+            where[name] = at
+    try:
+        arrays = index_map.map_arrays(file.id.get_vfd_handle(), where) if where else {}
+    except (OSError, ValueError):  # e.g. a truncated file: HDF5's own reads below say what is wrong
+        arrays = {}
+    for name, dataset in datasets.items():
+        if name not in arrays or not _agrees(arrays[name], dataset):
+            arrays[name] = dataset[()]
+    return arrays
+
+
+def _stored_at(dataset: h5py.Dataset) -> Optional[index_map.ArrayAt]:
+    """Where a 1-D dataset's elements lie in the file, when they are its plain bytes there: one
+    contiguous block in this file, unfiltered, of a numpy integer or fixed-width bytes dtype."""
+    plist = dataset.id.get_create_plist()
+    if plist.get_layout() != h5py.h5d.CONTIGUOUS or plist.get_nfilters() or plist.get_external_count():
+        return None
+    if dataset.ndim != 1 or dataset.dtype.kind not in "iuS" or dataset.dtype.hasobject:
+        return None
+    offset = dataset.id.get_offset()  # None until HDF5 has allocated the data
+    return None if offset is None else index_map.ArrayAt(int(offset), dataset.dtype, dataset.shape)
+
+
+def _agrees(array: np.ndarray, dataset: h5py.Dataset) -> bool:
+    """Whether a mapped index array reads as HDF5 reads the dataset, at both ends (a cheap
+    check that the address is right; the manifest's checksum of the whole array follows)."""
+    n = len(array)
+    k = min(n, _AGREE_ROWS)
+    return bool(np.array_equal(array[:k], dataset[:k]) and np.array_equal(array[n - k :], dataset[n - k : n]))
+
+
+def _missing_manifest(path: str, file: h5py.File) -> PackedFormatError:
+    """Why a file without a manifest cannot be read: an archive of ours whose writer never sealed
+    it (our sample dataset, as this writer lays it out), or some other HDF5 file."""
+    if _written_here(file):
+        return IncompleteArchiveError(path, "no manifest: the archive was never sealed")
+    return UnknownFormatError(
+        path, "an HDF5 file, but not a packed_formats archive (no manifest attribute)", hint=CONVERT_HINT
+    )
+
+
+def _written_here(file: h5py.File) -> bool:
+    """Whether the file holds only our datasets, with the sample dataset laid out as HDF5Writer makes it."""
+    names = set(file.keys())
+    if not names <= set(_SAMPLE_NAMES + _INDEX_NAMES):
+        return False
+    images, data = file.get("images"), file.get("data")
+    if isinstance(images, h5py.Dataset):
+        return images.ndim == 4 and images.dtype == np.uint8 and images.chunks == (1,) + images.shape[1:]
+    if isinstance(data, h5py.Dataset):
+        return data.ndim == 1 and data.dtype == np.uint8 and data.chunks == (_ENCODED_CHUNK,)
+    return False
 
 
 def _chunk_of(i: int, ndim: int) -> tuple:

@@ -5,26 +5,46 @@ Sealed archives are opened ``readonly=True, lock=False``: no lock file, no
 reader-slot table to exhaust, safe on read-only and shared file systems.  An
 environment inherited through fork is closed in the child before reopening
 (lmdb >= 2 refuses a second environment on one path in a process).
+
+The index records (``.npy`` bytes, large ones on LMDB's overflow pages) are
+mapped from the data file rather than copied out, so opening costs the same at
+any number of samples and the index pages are shared by every process.  The
+map is this module's own (``index_map``), never a view into the environment:
+a forked child closes the environment it inherited, and an array into that
+would then crash it.  Where the record lies is found in LMDB's B-tree
+(``lmdb_pages``) and checked against the record read through lmdb; a record
+that does not check is copied.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import os
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import lmdb
 import numpy as np
 
 from .. import handles
-from ..errors import ArchiveInUseError, ArchiveNotFoundError, CorruptArchiveError, IncompleteArchiveError
+from ..errors import (
+    ArchiveInUseError,
+    ArchiveNotFoundError,
+    CorruptArchiveError,
+    IncompleteArchiveError,
+    PackedFormatError,
+    UnknownFormatError,
+)
 from ..index import SampleIndex, from_npy_bytes, npy_bytes
 from ..manifest import ArchiveManifest
+from . import index_map, lmdb_pages
 from .base import Backend, FormatSpec, Handle, Writer, file_identity, handle_key
 from .mapped import FileTruncatedError
 
 MANIFEST_KEY = b"__manifest__"
 _INDEX_PREFIX = b"__index__/"
+_COMPARED_BYTES = 4096  # of a mapped record, compared with lmdb's read at its start, middle and end
+CONVERT_HINT = "convert it into one first: `packed-formats convert SRC DST`"
 _COMMIT_EVERY = 256
 _INITIAL_MAP_SIZE = 1 << 30
 
@@ -160,18 +180,12 @@ class LMDBBackend(Backend[LMDBHandle]):
         key = handle_key(cls.format_name, path, file_identity(_data_file(path)))
         with handles.borrowed(key, lambda: _open_env(path, readahead=False), LMDBHandle.close) as handle:
             try:
-                with handle.env.begin() as txn:
+                with handle.env.begin(buffers=True) as txn:  # views of the map, valid inside the transaction
                     raw_manifest = txn.get(MANIFEST_KEY)
                     if raw_manifest is None:
-                        raise IncompleteArchiveError(path, "no manifest record: the archive was never sealed")
-                    manifest = ArchiveManifest.from_json(raw_manifest, path=path)
-                    arrays = {}
-                    cursor = txn.cursor()
-                    if cursor.set_range(_INDEX_PREFIX):
-                        for key, value in cursor:
-                            if not key.startswith(_INDEX_PREFIX):
-                                break
-                            arrays[key[len(_INDEX_PREFIX) :].decode()] = from_npy_bytes(value)
+                        raise _missing_manifest(path, txn)
+                    manifest = ArchiveManifest.from_json(bytes(raw_manifest), path=path)
+                    arrays = _index_arrays(handle, _index_records(txn))
             except (lmdb.Error, KeyError, ValueError) as exc:
                 raise CorruptArchiveError(path, f"cannot read the archive index: {exc}") from None
         return manifest, SampleIndex.from_arrays(arrays)
@@ -207,6 +221,101 @@ class LMDBBackend(Backend[LMDBHandle]):
                     out[j] = self.as_pixels(value, int(i))
         except lmdb.Error as exc:
             raise CorruptArchiveError(self.path, f"LMDB read failed: {exc}") from None
+
+
+def _index_records(txn: "lmdb.Transaction") -> Dict[str, memoryview]:
+    """The index records by array name, as views into the environment's map."""
+    records = {}
+    cursor = txn.cursor()
+    if cursor.set_range(_INDEX_PREFIX):
+        for key, value in cursor:
+            key = bytes(key)
+            if not key.startswith(_INDEX_PREFIX):
+                break
+            records[key[len(_INDEX_PREFIX) :].decode()] = memoryview(value)
+    return records
+
+
+def _index_arrays(handle: LMDBHandle, records: Dict[str, memoryview]) -> Dict[str, np.ndarray]:
+    """Each index record's array, mapped from the data file where it can be found and checked, else copied."""
+    where = _records_in_file(handle, records)
+    try:
+        mapped = index_map.map_arrays(handle.fd, where) if where else {}
+    except (OSError, ValueError):  # cannot map: the copies below are the index
+        mapped = {}
+    arrays = {}
+    for name, record in records.items():
+        array = mapped.get(name)
+        if array is None or not _same_data(array, record):
+            array = from_npy_bytes(bytes(record))  # not found, large and misaligned, or not what lmdb reads
+        arrays[name] = array
+    return arrays
+
+
+def _records_in_file(handle: LMDBHandle, records: Dict[str, memoryview]) -> Dict[str, index_map.ArrayAt]:
+    """Where each record's array lies in the data file, for the records found there by the B-tree
+    walk (on the same meta page lmdb reads: its statistics must agree) with the same .npy header."""
+    tree = lmdb_pages.read_main_tree(handle.fd)
+    stat, info = handle.env.stat(), handle.env.info()
+    if tree is None or (tree.page_size, tree.depth, tree.entries, tree.txnid) != (
+        stat["psize"], stat["depth"], stat["entries"], info["last_txnid"]
+    ):
+        return {}
+    where = {}
+    for name, record in records.items():
+        found = lmdb_pages.value_position(handle.fd, tree, _INDEX_PREFIX + name.encode())
+        if found is None or found[1] != len(record):
+            continue
+        layout = index_map.npy_layout(functools.partial(_head, record))
+        if layout is None or os.pread(handle.fd, layout[0], found[0]) != bytes(record[: layout[0]]):
+            continue
+        header_size, dtype, shape = layout
+        at = index_map.ArrayAt(found[0] + header_size, dtype, shape)
+        # A large value starts 16 bytes into an overflow page and np.save pads its header to a
+        # multiple of 64: aligned.  One in a leaf page (under 2 KiB) may be misaligned, which numpy
+        # reads correctly, if slower; a large misaligned one (another writer's) is copied.
+        if header_size + at.nbytes == len(record) and (at.aligned() or len(record) < tree.page_size):
+            where[name] = at
+    return where
+
+
+def _head(record: memoryview, n: int) -> bytes:
+    """The first ``n`` bytes of a record."""
+    return bytes(record[:n])
+
+
+def _same_data(array: np.ndarray, record: memoryview) -> bool:
+    """Whether a mapped array's bytes equal the record's data as lmdb reads it, at its start, middle
+    and end (a cheap check of the place found; the manifest's checksum of every array follows)."""
+    data = array.reshape(-1).view(np.uint8)
+    start = len(record) - len(data)
+    n = _COMPARED_BYTES
+    for at in sorted({0, max(0, len(data) // 2 - n // 2), max(0, len(data) - n)}):
+        if data[at : at + n].tobytes() != bytes(record[start + at : start + at + n]):
+            return False
+    return True
+
+
+def _missing_manifest(path: str, txn: "lmdb.Transaction") -> PackedFormatError:
+    """Why an LMDB without a manifest record cannot be read: an archive of ours whose writer
+    never sealed it (its records are our samples or index), or some other LMDB."""
+    cursor = txn.cursor()
+    if cursor.first():
+        first_key, first_value = bytes(cursor.key()), bytes(cursor.value()[:2])
+        if first_key.startswith(_INDEX_PREFIX) or (_is_sample_key(first_key) and not _pickled(first_value)):
+            return IncompleteArchiveError(path, "no manifest record: the archive was never sealed")
+    return UnknownFormatError(
+        path, "an LMDB file, but not a packed_formats archive (no manifest record)", hint=CONVERT_HINT
+    )
+
+
+def _is_sample_key(key: bytes) -> bool:
+    return len(key) == len(sample_key(0)) and key.isdigit()
+
+
+def _pickled(head: bytes) -> bool:
+    """Whether a value starts as a pickle does (protocol 2 and later), as other tools' LMDBs hold."""
+    return len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5
 
 
 _LMDB_MAGIC = (0xBEEFC0DE).to_bytes(4, "little")

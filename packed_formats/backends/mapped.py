@@ -26,6 +26,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+_CHUNK = 1 << 20  # positions checked per step: a bounded temporary whatever the archive's size
+
 
 class FileTruncatedError(OSError):
     """The mapped file became shorter than the samples mapped from it."""
@@ -48,8 +50,14 @@ def even_step(positions: np.ndarray) -> Optional[int]:
     """The distance between consecutive positions when it is one constant, else None."""
     if len(positions) < 2:
         return 0 if len(positions) else None
-    steps = np.diff(positions)
-    return int(steps[0]) if steps[0] > 0 and (steps == steps[0]).all() else None
+    step = int(positions[1]) - int(positions[0])
+    if step <= 0:
+        return None
+    for start in range(0, len(positions) - 1, _CHUNK):  # in chunks: no N-sized temporary per process
+        part = np.asarray(positions[start : start + _CHUNK + 1])
+        if not (np.diff(part) == step).all():
+            return None
+    return step
 
 
 class MappedRows:

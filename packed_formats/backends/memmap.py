@@ -3,7 +3,11 @@
 ``images.npy`` is uint8 [N,H,W,C] (raw) or ``data.npy`` a flat uint8 byte store
 with ``offsets.npy`` (encoded); ``labels.npy``, ``keys.npy``, ``crc32.npy`` hold
 the index.  Every file opens with ``numpy.load(..., mmap_mode="r")``.  Readers
-map the data per process and pickle as their path, never their pages.
+map the data per process and pickle as their path, never their pages.  The
+index files are mapped too, when the metadata is read, so no process holds a
+private copy of the index; as with any map, an index file truncated in place
+under a reader would end it with SIGBUS (archives are replaced whole, never
+rewritten: the sample data's size is checked before each read).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from ..errors import (
 )
 from ..index import SampleIndex
 from ..manifest import ArchiveManifest
-from . import mapped
+from . import index_map, mapped
 from .base import Backend, FormatSpec, Handle, Writer
 
 MANIFEST = "manifest.json"
@@ -141,7 +145,7 @@ class MemmapBackend(Backend[MappedNpy]):
             for name in _INDEX_NAMES:
                 array_path = os.path.join(path, f"{name}.npy")
                 if os.path.exists(array_path):
-                    arrays[name] = np.load(array_path, allow_pickle=False)
+                    arrays[name] = _load_mapped(array_path)
         except (OSError, ValueError) as exc:
             raise CorruptArchiveError(path, f"cannot read the archive index: {exc}") from None
         _map_data(path, manifest.mode).close()  # the data file is checked now, in this process
@@ -181,6 +185,23 @@ class MemmapBackend(Backend[MappedNpy]):
         data = np.load(self.data_file(), mmap_mode="r")
         start = i * self.sample_nbytes if self.manifest.mode == "raw" else int(self.offsets[i])
         return self.data_file(), int(data.offset) + start
+
+
+def _load_mapped(path: str) -> np.ndarray:
+    """An index .npy file as a read-only map: its pages are the file's, shared by every process,
+    never a private copy in each.  Mapped as ``numpy.load(path, mmap_mode="r")`` would, but
+    through ``index_map``, whose maps keep no file descriptor where Python allows (3.13+)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        layout = index_map.npy_layout(lambda n: os.pread(fd, n, 0))
+        at = None if layout is None else index_map.ArrayAt(*layout)  # the data follows the header
+        if at is not None and at.aligned():
+            return index_map.map_arrays(fd, {"array": at})["array"]
+    except ValueError:  # a truncated file: mapping it would be SIGBUS, reading it says what is wrong
+        pass
+    finally:
+        os.close(fd)
+    return np.load(path, allow_pickle=False)
 
 
 def _array(handle: MappedNpy) -> np.ndarray:

@@ -9,19 +9,52 @@ Part names are relative to the index's directory.  Each part is a complete
 archive of its own.  The sharded backend is a span layer over the parts'
 Readers (each with its own per-process handle), used through their public API
 only; the outer Reader checks checksums against the joined index.
+
+Open parts.  An open part holds one or two file descriptors (a file and its
+map, or LMDB's environment and a size check) in each process that reads it,
+and HDF5 some memory besides, so each process keeps at most ``max_open_parts``
+parts of an archive open: a part is opened when a read needs it, and the part
+least recently used is closed when one more would pass the bound.  A batch
+may span any number of parts: each is read whole before the next is opened.
+The bound is, the first that is given:
+
+* ``open_archive(path, max_open_parts=n)`` (``make_loader`` keeps the bound of
+  a Reader or PackedDataset it is given);
+* the environment variable ``PF_MAX_OPEN_PARTS``, read when ``open_archive`` opens it;
+* in each process, an eighth of its open-file limit (``ulimit -n``), so that
+  parts hold at most a quarter of its descriptors, and never more than 128:
+  128 parts under the common limit of 1,024, 16 under a limit of 128.
+
+A bound that cannot fit the open-file limit is refused when the archive is
+opened (``TooManyOpenFilesError``, saying which bound would fit), and a part
+that cannot be opened for want of a descriptor raises the same error, naming
+the archive and the part.  A larger bound trades descriptors (and HDF5's
+memory) for fewer re-opens: a shuffled epoch over many more parts than the
+bound opens a part again for most batches.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import re
-from typing import Any, List, Optional, Sequence, Tuple
+import threading
+from collections import OrderedDict
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..errors import ArchiveExistsError, ArchiveNotFoundError, CorruptArchiveError, PackedFormatError
+from ..errors import (
+    ArchiveExistsError,
+    ArchiveNotFoundError,
+    CorruptArchiveError,
+    PackedFormatError,
+    TooManyOpenFilesError,
+)
+from ..handles import ProcessLocal
 from ..index import SampleIndex
 from ..manifest import ArchiveManifest
 from .base import Backend, FormatSpec, Handle, Reader, WriteTransaction, publish, remove_path, temp_path_for
@@ -83,13 +116,76 @@ class ShardedHandle(Handle):
         """Nothing to release."""
 
 
+# ---- how many parts a process keeps open ---------------------------------------------------------------
+ENVIRONMENT_VARIABLE = "PF_MAX_OPEN_PARTS"
+MOST_OPEN_PARTS = 128  # the default's ceiling: HDF5 holds memory per open file besides descriptors
+DESCRIPTORS_PER_PART = 2  # at most, in any format: a file and its map, or LMDB's environment and a size check
+RESERVED_DESCRIPTORS = 32  # left to the rest of the process (torch, its shared memory, pipes, other files)
+
+
+def default_max_open_parts(limit: Optional[int]) -> int:
+    """The bound of a process whose open-file limit is ``limit`` (None: unlimited): parts hold
+    at most a quarter of its descriptors, and never more than ``MOST_OPEN_PARTS`` are open."""
+    if limit is None:
+        return MOST_OPEN_PARTS
+    return max(1, min(MOST_OPEN_PARTS, limit // (4 * DESCRIPTORS_PER_PART)))
+
+
+def check_max_open_parts(value: Any, source: str = "max_open_parts") -> int:
+    """``value`` as a bound of open parts (ValueError, naming ``source``, unless a positive integer)."""
+    try:
+        bound = int(str(value).strip()) if isinstance(value, str) else int(value)
+    except (TypeError, ValueError):
+        bound = 0
+    if bound < 1 or (not isinstance(value, str) and bound != value):
+        raise ValueError(f"{source} must be a positive integer (parts open at once), got {value!r}")
+    return bound
+
+
+def _bound_from_environment() -> Optional[int]:
+    value = os.environ.get(ENVIRONMENT_VARIABLE, "").strip()
+    return check_max_open_parts(value, ENVIRONMENT_VARIABLE) if value else None
+
+
+class _OpenParts:
+    """One process's open parts of an archive, least recently used first, and the reads under
+    way in each (a part being read by another thread is never closed under it)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.recent: "OrderedDict[int, None]" = OrderedDict()
+        self.reading: Dict[int, int] = {}
+
+    def enter(self, p: int, bound: int) -> List[int]:
+        """Count a read of part p starting; return the idle parts to close to stay within ``bound``."""
+        self.recent[p] = None
+        self.recent.move_to_end(p)
+        self.reading[p] = self.reading.get(p, 0) + 1
+        excess = len(self.recent) - bound
+        if excess <= 0:
+            return []
+        closing = list(itertools.islice((q for q in self.recent if q not in self.reading), excess))
+        for q in closing:
+            del self.recent[q]
+        return closing
+
+    def leave(self, p: int) -> None:
+        """Count a read of part p finished."""
+        self.reading[p] -= 1
+        if not self.reading[p]:
+            del self.reading[p]
+
+
 class ShardedBackend(Backend[ShardedHandle]):
     format_name = "sharded"
 
-    def __init__(self, path: str, manifest: ArchiveManifest, index: SampleIndex, parts: Sequence[Reader] = ()) -> None:
+    def __init__(self, path: str, manifest: ArchiveManifest, index: SampleIndex, parts: Sequence[Reader] = (),
+                 max_open_parts: Optional[int] = None) -> None:
         super().__init__(path, manifest, index)
         self.parts = list(parts)
         self.starts = np.cumsum([0] + [len(p) for p in self.parts]).astype(np.int64)
+        self.max_open_parts = max_open_parts  # None: from each process's open-file limit
+        self._open = ProcessLocal(_OpenParts)
 
     @classmethod
     def load(cls, path: str) -> "ShardedBackend":
@@ -98,6 +194,7 @@ class ShardedBackend(Backend[ShardedHandle]):
         index_spec = read_shard_index(path)
         directory = os.path.dirname(os.path.abspath(path))
         backend = spec(index_spec["format"]).backend
+        # each part's index stays mapped from its file (index_map's maps hold no descriptor)
         parts = [Reader(os.path.join(directory, n), backend, verify=False) for n in index_spec["names"]]
         _check_parts(path, parts, index_spec["counts"])
         return cls(path, _joined_manifest(parts), _joined_index(parts), parts)
@@ -116,24 +213,82 @@ class ShardedBackend(Backend[ShardedHandle]):
     def files(self) -> List[str]:
         return [self.path] + [f for part in self.parts for f in part.files()]
 
+    # ---- open parts ----
+    def limit_open_parts(self, bound: int) -> None:
+        """Keep at most ``bound`` parts open in each process; TooManyOpenFilesError if that many
+        cannot fit this process's open-file limit."""
+        bound = check_max_open_parts(bound)
+        limit = TooManyOpenFilesError.limit()
+        needed = min(bound, len(self.parts)) * DESCRIPTORS_PER_PART + RESERVED_DESCRIPTORS
+        if limit is not None and needed > limit:
+            raise TooManyOpenFilesError(
+                self.path,
+                f"max_open_parts={bound} needs up to {needed} open files ({DESCRIPTORS_PER_PART} a part, "
+                f"{RESERVED_DESCRIPTORS} for the rest of the process), but this process may open {limit}",
+                hint=_what_fits(limit, needed),
+            )
+        self.max_open_parts = bound
+
+    def open_part_bound(self) -> int:
+        """How many parts this process keeps open at most."""
+        if self.max_open_parts is not None:
+            return self.max_open_parts
+        return default_max_open_parts(TooManyOpenFilesError.limit())
+
+    def open_parts(self) -> List[int]:
+        """The parts this process holds open (or is opening), least recently used first."""
+        open_parts = self._open.get()
+        with open_parts.lock:
+            return list(open_parts.recent)
+
+    @contextlib.contextmanager
+    def _part(self, p: int) -> Iterator[Reader]:
+        """Part p for one read, the parts least recently used closed first so that at most
+        ``open_part_bound()`` are open (more only while other threads read them)."""
+        open_parts, part = self._open.get(), self.parts[p]
+        with open_parts.lock:
+            for q in open_parts.enter(p, self.open_part_bound()):
+                self.parts[q].release_handle()
+        try:
+            yield part
+        except TooManyOpenFilesError:
+            raise self._no_descriptor_for(p) from None
+        finally:
+            with open_parts.lock:
+                open_parts.leave(p)
+
+    def _no_descriptor_for(self, p: int) -> TooManyOpenFilesError:
+        """The error for part p, which found no file descriptor left to open or read it with."""
+        bound, name = self.open_part_bound(), os.path.basename(self.parts[p].path)
+        return TooManyOpenFilesError(
+            self.path,
+            f"cannot open or read part {p} of {len(self.parts)} ({name}): too many open files "
+            f"({TooManyOpenFilesError.usage()}; this archive keeps up to {bound} parts open in each process)",
+            hint=f"{TooManyOpenFilesError.HINT}, or keep fewer parts open: max_open_parts={max(1, bound // 2)} "
+                 f"(or {ENVIRONMENT_VARIABLE}={max(1, bound // 2)})",
+        )
+
+    # ---- reading ----
     def locate(self, i: int) -> Tuple[Reader, int]:
         """The part holding sample i, and i's index in it."""
         p = int(np.searchsorted(self.starts, i, side="right")) - 1
         return self.parts[p], i - int(self.starts[p])
 
     def read(self, handle: ShardedHandle, i: int) -> bytes:
-        part, j = self.locate(i)
-        return part.read_bytes(j)
+        p = int(np.searchsorted(self.starts, i, side="right")) - 1
+        with self._part(p) as part:
+            return part.read_bytes(i - int(self.starts[p]))
 
     def read_batch(self, handle: ShardedHandle, idx: np.ndarray, out: np.ndarray) -> None:
         owner = np.searchsorted(self.starts, idx, side="right") - 1
         for p in np.unique(owner):
-            part, mask = self.parts[int(p)], owner == p
+            mask = owner == p
             local = idx[mask] - self.starts[p]
-            if mask.all():
-                part.read_many(local, out=out)
-            else:
-                out[mask] = part.read_many(local)
+            with self._part(int(p)) as part:
+                if mask.all():
+                    part.read_many(local, out=out)
+                else:
+                    out[mask] = part.read_many(local)
 
     def sample_location(self, i: int) -> Optional[Tuple[str, int]]:
         part, j = self.locate(i)
@@ -142,6 +297,36 @@ class ShardedBackend(Backend[ShardedHandle]):
     def close(self) -> None:
         for part in self.parts:
             part.close()
+        self._open.clear()
+
+
+def limit_open_parts(reader: Reader, max_open_parts: Optional[int] = None) -> None:
+    """Keep at most ``max_open_parts`` (None: ``PF_MAX_OPEN_PARTS``, if set) parts of ``reader``'s
+    archive open in each process, when it is sharded (another archive is one file).
+
+    Raises:
+        ValueError: the bound is not a positive integer.
+        TooManyOpenFilesError: so many parts cannot fit this process's open-file limit.
+    """
+    bound = None if max_open_parts is None else check_max_open_parts(max_open_parts)
+    if isinstance(reader.backend, ShardedBackend):
+        bound = _bound_from_environment() if bound is None else bound
+        if bound is not None:
+            reader.backend.limit_open_parts(bound)
+
+
+def given_max_open_parts(reader: Reader) -> Optional[int]:
+    """The bound of open parts given to ``reader``'s sharded archive (None: none given, or not sharded)."""
+    return reader.backend.max_open_parts if isinstance(reader.backend, ShardedBackend) else None
+
+
+def _what_fits(limit: int, needed: int) -> str:
+    """What to do when a bound of open parts needs ``needed`` descriptors of a process allowed ``limit``."""
+    raise_limit = f"raise the limit (`ulimit -n {max(needed, 1024)}` in the shell that starts Python)"
+    fits = (limit - RESERVED_DESCRIPTORS) // DESCRIPTORS_PER_PART
+    if fits < 1:
+        return raise_limit
+    return f"{raise_limit}, or keep at most {fits} parts open (max_open_parts, or {ENVIRONMENT_VARIABLE})"
 
 
 def _check_parts(path: str, parts: List[Reader], counts: List[int]) -> None:

@@ -1,71 +1,213 @@
 """ZIP: one STORED member per sample plus .npy index members and manifest.json.
 
-Readable by ``unzip``/``zipinfo``/``zipfile``.  The central directory is parsed
-once, when the metadata is read; the index stores each sample's absolute byte
-position, so a read is one ``os.pread`` on a per-process file descriptor: no
-shared ``ZipFile`` seek state, nothing to corrupt across fork.  Raw batches
-are gathered from a per-process map of the file (``mapped.py``).
+Readable by ``unzip``/``zipinfo``/``zipfile``.  The writer writes the ZIP
+records itself (``zip_records``): what it keeps per sample is four numpy
+columns, and the central directory is streamed out from them at the end, so
+writing takes bounded memory at any sample count.  The end record's comment
+is a locator naming where the manifest and each index array lie: opening
+reads the file's tail, the manifest, a few local headers to check them, and
+maps the index arrays (each aligned to 64 bytes) instead of reading them, so
+it costs the same at a thousand samples or fourteen million and every process
+shares the index through the page cache.  Archives without a locator (written
+by earlier versions, or rewritten by other tools) are read through
+``zipfile``, which parses the whole central directory.
+
+The index stores each sample's absolute byte position, so a read is one
+``os.pread`` on a per-process file descriptor: no shared ``ZipFile`` seek
+state, nothing to corrupt across fork.  Raw batches are gathered from a
+per-process map of the file (``mapped.py``); equal member names give equal
+local headers, so raw samples are evenly spaced.
+
+A mapped index, like mapped samples, must not be truncated in place under a
+reader: every read first checks that the file kept its size (one ``fstat``);
+a truncation between that check and the read can still end the process.
 """
 
 from __future__ import annotations
 
+import io
 import os
-import struct
 import zipfile
-from typing import Optional, Tuple
+from typing import BinaryIO, Dict, Iterator, Optional, Tuple
 
 import numpy as np
 
+from ..checksum import crc32
+from ..codecs import sniff
 from ..errors import ArchiveNotFoundError, CorruptArchiveError, IncompleteArchiveError, UnknownFormatError
-from ..index import SampleIndex, from_npy_bytes, npy_bytes
+from ..index import SampleIndex, from_npy_bytes
 from ..manifest import ArchiveManifest
-from . import mapped
+from . import index_map, mapped
 from .base import DAMAGED_HINT, Backend, FormatSpec, Handle, Writer
+from .zip_records import (
+    CENTRAL_HEADER,
+    LOCAL_HEADER,
+    TAIL,
+    ZIP64_LIMIT,
+    End,
+    LayoutError,
+    LocalHeader,
+    Locator,
+    Place,
+    central_headers,
+    end_overhangs,
+    end_records,
+    find_end,
+    local_header,
+    padding,
+    parse_local_header,
+    with_zip64,
+)
 
 MANIFEST = "manifest.json"
 INDEX_DIR = "index/"
-_FIXED_DATE = (1980, 1, 1, 0, 0, 0)  # same input -> byte-identical archive
-_LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # zipfile's structFileHeader
+EXTENSIONS = ("raw", "jpg", "png", "bin")  # a sample member's extension, by the code the writer keeps
+ARRAY_ALIGNMENT = 64  # index arrays' data starts at a multiple of this: mapped, they are aligned
+_CENTRAL_CHUNK = 1 << 14  # central directory entries built at a time
+_NPY_HEADER_MAX = 16384  # bytes read to parse an index member's .npy header
+_LOCAL_HEADER_MAX = LOCAL_HEADER.size + 2 * 0xFFFF  # with the longest name and extra fields
 
 
 def member_name(i: int, extension: str) -> str:
     return f"samples/{i:09d}.{extension}"
 
 
+def sample_names(first: int, kinds: np.ndarray) -> np.ndarray:
+    """``member_name(i, EXTENSIONS[kinds[j]])`` for i = first + j, as one fixed-width bytes array
+    (every i of one number of digits)."""
+    numbers = np.arange(first, first + len(kinds), dtype=np.int64)
+    width = max(9, len(str(first + len(kinds) - 1)))
+    powers = 10 ** np.arange(width - 1, -1, -1, dtype=np.int64)
+    digits = (numbers[:, None] // powers % 10 + ord("0")).astype(np.uint8)
+    extensions = np.frombuffer(b"".join(e.encode() for e in EXTENSIONS), dtype=np.uint8).reshape(len(EXTENSIONS), -1)
+    prefix = np.broadcast_to(np.frombuffer(b"samples/", dtype=np.uint8), (len(kinds), 8))
+    dot = np.full((len(kinds), 1), ord("."), dtype=np.uint8)
+    rows = np.ascontiguousarray(np.concatenate([prefix, digits, dot, extensions[kinds]], axis=1))
+    return rows.view(f"S{rows.shape[1]}").reshape(-1)
+
+
+class SampleMembers:
+    """What the central directory needs of each sample member, in numpy columns grown amortised
+    (never a Python object per member): CRC32, size, local header offset, extension code."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._columns: Dict[str, np.ndarray] = {
+            "crc32": np.empty(1024, dtype=np.uint32),
+            "size": np.empty(1024, dtype=np.int64),
+            "offset": np.empty(1024, dtype=np.int64),
+            "kind": np.empty(1024, dtype=np.uint8),
+        }
+
+    def append(self, crc: int, size: int, offset: int, kind: int) -> None:
+        if self.count == len(self._columns["crc32"]):
+            for name, column in self._columns.items():
+                self._columns[name] = np.resize(column, 2 * self.count)
+        row, columns = self.count, self._columns
+        columns["crc32"][row], columns["size"][row], columns["offset"][row], columns["kind"][row] = (
+            crc, size, offset, kind)
+        self.count += 1
+
+    def offset(self, i: int) -> int:
+        return int(self._columns["offset"][i])
+
+    def central_directory(self, limit: int) -> Iterator[np.ndarray]:
+        """The samples' central directory entries, a bounded chunk at a time, in order."""
+        first = 0
+        while first < self.count:
+            last = min(self.count, first + _CENTRAL_CHUNK, _next_power_of_ten(first))
+            rows = slice(first, last)
+            names = sample_names(first, self._columns["kind"][rows])
+            c = self._columns
+            yield from central_headers(names, c["crc32"][rows], c["size"][rows], c["offset"][rows], limit)
+            first = last
+
+
+def _next_power_of_ten(i: int) -> int:
+    """The first number above i with one more digit (member names change width there, from 10**9 on)."""
+    return 10 ** max(9, len(str(i)))
+
+
 class ZipWriter(Writer):
+    """Writes the ZIP records itself: samples, then the index arrays and manifest.json, then the
+    central directory streamed from ``SampleMembers`` and the end record with its locator."""
+
     format_name = "zip"
     stores_positions = True
+    zip64_limit = ZIP64_LIMIT  # sizes and offsets from this on get ZIP64 fields (tests lower it)
 
     def begin(self, temp_path: str) -> None:
-        self._zip = zipfile.ZipFile(temp_path, "w", compression=zipfile.ZIP_STORED, allowZip64=True)
-
-    def _write_member(self, name: str, data: bytes) -> int:
-        info = zipfile.ZipInfo(name, date_time=_FIXED_DATE)
-        info.compress_type = zipfile.ZIP_STORED
-        info.external_attr = 0o644 << 16
-        with self._zip.open(info, "w", force_zip64=len(data) >= zipfile.ZIP64_LIMIT) as member:
-            assert self._zip.fp is not None, "the ZIP file is open for writing"
-            position = self._zip.fp.tell()  # the local header is written: data starts here
-            member.write(data)
-        return position
+        self._file: BinaryIO = open(temp_path, "wb", buffering=1 << 20)
+        self._at = 0  # bytes written so far
+        self._samples = SampleMembers()
+        self._metadata: Dict[str, Tuple[Place, int]] = {}  # the index and manifest members: place, CRC32
 
     def append(self, blob: bytes, i: int) -> int:
-        from ..codecs import sniff
-
-        extension = "raw" if self.mode == "raw" else {"jpeg": "jpg", "png": "png"}.get(sniff(blob) or "", "bin")
-        return self._write_member(member_name(i, extension), blob)
+        if i != self._samples.count:
+            raise ValueError(f"sample {i} appended after {self._samples.count} samples: samples come in order")
+        kind = 0 if self.mode == "raw" else {"jpeg": 1, "png": 2}.get(sniff(blob) or "", 3)
+        crc = crc32(blob)
+        header = local_header(member_name(i, EXTENSIONS[kind]).encode(), len(blob), crc, limit=self.zip64_limit)
+        offset = self._write(header, blob)
+        self._samples.append(crc, len(blob), offset, kind)
+        return offset + len(header)
 
     def finish(self, index: SampleIndex, manifest: ArchiveManifest) -> None:
         for name, array in index.arrays().items():
-            self._write_member(f"{INDEX_DIR}{name}.npy", npy_bytes(array))
-        self._write_member(MANIFEST, manifest.to_json().encode())
-        self._zip.close()  # writes the central directory: without it nothing opens
+            self._write_array(f"{INDEX_DIR}{name}.npy", array)
+        text = manifest.to_json().encode()
+        self._write_metadata(MANIFEST, [text], crc32(text), len(text))
+        self._write_central_directory()
+        self._file.close()
 
     def discard(self) -> None:
         try:
-            self._zip.close()
+            self._file.close()
         except Exception:
             pass
+
+    # ---- helpers ----
+    def _write(self, *parts) -> int:
+        """Write ``parts`` one after the other; where the first starts."""
+        start = self._at
+        for part in parts:
+            self._at += self._file.write(part)
+        return start
+
+    def _write_array(self, name: str, array: np.ndarray) -> None:
+        """An index array as a .npy member whose array data starts at a multiple of ARRAY_ALIGNMENT."""
+        array = np.ascontiguousarray(array)
+        header = io.BytesIO()
+        np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(array))
+        npy_header, data = header.getvalue(), array.reshape(-1).view(np.uint8)
+        self._write_metadata(name, [npy_header, data], crc32(data, crc32(npy_header)), len(npy_header) + data.size,
+                             align=len(npy_header))
+
+    def _write_metadata(self, name: str, parts: list, crc: int, size: int, align: Optional[int] = None) -> None:
+        """A metadata member; with ``align``, padded so that its byte ``align`` starts at a multiple
+        of ARRAY_ALIGNMENT."""
+        encoded = name.encode()
+        header = local_header(encoded, size, crc, limit=self.zip64_limit)
+        if align is not None:
+            extra = padding(self._at + len(header) + align, ARRAY_ALIGNMENT)
+            header = local_header(encoded, size, crc, extra, limit=self.zip64_limit)
+        offset = self._write(header, *parts)
+        self._metadata[name] = (Place(offset, offset + len(header), size), crc)
+
+    def _write_central_directory(self) -> None:
+        start = self._at
+        for entries in self._samples.central_directory(self.zip64_limit):
+            self._write(entries.view(np.uint8))
+        for name, (place, crc) in self._metadata.items():
+            fields = (np.array([name.encode()]), np.array([crc], np.uint32), np.array([place.size]),
+                      np.array([place.header]))
+            for entries in central_headers(*fields, limit=self.zip64_limit):
+                self._write(entries.view(np.uint8))
+        n = self._samples.count
+        places = {name: place for name, (place, _) in self._metadata.items()}
+        locator = Locator(places, (self._samples.offset(0), self._samples.offset(n - 1)) if n else ())
+        count = n + len(self._metadata)
+        self._write(end_records(count, start, self._at - start, locator.encode(), self.zip64_limit))
 
 
 class ZipHandle(Handle):
@@ -73,12 +215,19 @@ class ZipHandle(Handle):
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
+        self.size = os.fstat(fd).st_size  # the index may be mapped from the file: it must keep this size
         self.rows: "Optional[mapped.MappedRows | bool]" = None  # False: not mappable (shorter than its index)
 
     def mapped_rows(self, positions: np.ndarray, nbytes: int) -> "Optional[mapped.MappedRows]":
         if self.rows is None:
             self.rows = mapped.MappedRows.of(self.fd, positions, nbytes) or False
         return self.rows if isinstance(self.rows, mapped.MappedRows) else None
+
+    def check_size(self) -> None:
+        """FileTruncatedError when the file shrank since it was opened (its mapped index would SIGBUS)."""
+        size = os.fstat(self.fd).st_size
+        if size < self.size:
+            raise mapped.FileTruncatedError(f"the file was truncated to {size} bytes while open ({self.size} bytes)")
 
     def close(self) -> None:
         if isinstance(self.rows, mapped.MappedRows):
@@ -95,33 +244,27 @@ class ZipBackend(Backend[ZipHandle]):
 
     @classmethod
     def read_metadata(cls, path: str) -> Tuple[ArchiveManifest, SampleIndex]:
+        """From the locator in the end record when there is one (O(1)), else through ``zipfile``."""
         try:
-            with zipfile.ZipFile(path) as archive:
-                names = set(archive.namelist())
-                if MANIFEST not in names:
-                    if any(n.startswith("samples/") for n in names):
-                        raise IncompleteArchiveError(path, "the ZIP has samples but no manifest: it was never sealed")
-                    raise UnknownFormatError(path, "a ZIP file, but not a packed_formats archive (no manifest.json)")
-                manifest = ArchiveManifest.from_json(archive.read(MANIFEST), path=path)
-                arrays = {
-                    n[len(INDEX_DIR) : -len(".npy")]: from_npy_bytes(archive.read(n))
-                    for n in names
-                    if n.startswith(INDEX_DIR) and n.endswith(".npy")
-                }
-                index = SampleIndex.from_arrays(arrays)
-                if manifest.count:
-                    _check_first_member(path, archive, index)
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             raise ArchiveNotFoundError(path, "no such file") from None
-        except zipfile.BadZipFile as exc:
-            if "CRC" in str(exc):  # a metadata member fails ZIP's own checksum: damaged, not unfinished
-                raise CorruptArchiveError(path, f"the archive index is damaged ({exc})", hint=DAMAGED_HINT) from None
-            raise IncompleteArchiveError(
-                path, f"not a complete ZIP file ({exc})", hint="the file is truncated or its writer was killed"
-            ) from None
-        except (KeyError, ValueError, OSError, EOFError) as exc:
+        except OSError as exc:
             raise CorruptArchiveError(path, f"cannot read the archive index: {exc}") from None
-        return manifest, index
+        try:
+            size = os.fstat(fd).st_size
+            tail = _pread(fd, min(size, TAIL), size - min(size, TAIL))
+            end = find_end(tail, size)
+            if end is None or not Locator.marks(end.comment):
+                _check_cut_locator(path, tail, end)
+                return _read_with_zipfile(path)
+            return _read_located(path, fd, with_zip64(tail, size, end))
+        except LayoutError as exc:
+            raise CorruptArchiveError(path, str(exc), hint=DAMAGED_HINT) from None
+        except OSError as exc:
+            raise CorruptArchiveError(path, f"cannot read the archive index: {exc}") from None
+        finally:
+            os.close(fd)
 
     def open(self) -> ZipHandle:
         try:
@@ -130,6 +273,7 @@ class ZipBackend(Backend[ZipHandle]):
             raise ArchiveNotFoundError(self.path, "no such file") from None
 
     def read(self, handle: ZipHandle, i: int) -> bytes:
+        handle.check_size()
         offsets = self.offsets
         size = int(offsets[i + 1] - offsets[i])
         data = os.pread(handle.fd, size, int(self.positions[i]))
@@ -140,6 +284,7 @@ class ZipBackend(Backend[ZipHandle]):
     def read_batch(self, handle: ZipHandle, idx: np.ndarray, out: np.ndarray) -> None:
         """One gather from the mapped file (see mapped.py); one ``pread`` per sample into a
         non-contiguous ``out``, or when the file is shorter than its index says."""
+        handle.check_size()
         size = self.sample_nbytes
         rows = handle.mapped_rows(self.positions, size) if out.flags.c_contiguous else None
         if rows is not None:
@@ -154,16 +299,172 @@ class ZipBackend(Backend[ZipHandle]):
         return self.path, int(self.positions[i])
 
 
+# ---- opening through the locator -------------------------------------------------------------------------
+def _pread(fd: int, size: int, offset: int) -> bytes:
+    data = os.pread(fd, size, offset)
+    if len(data) != size:
+        raise LayoutError(f"read {len(data)} of {size} bytes at byte {offset}: the file is truncated")
+    return data
+
+
+def _check_cut_locator(path: str, tail: bytes, end: Optional[End]) -> None:
+    """An end record carrying our locator that does not close the file: say so, rather than let ``zipfile``
+    guess at a cut or extended archive."""
+    overhang = end_overhangs(tail) if end is None else None
+    if overhang is True:
+        raise IncompleteArchiveError(
+            path, "the file ends inside its ZIP end record", hint="the file is truncated or its writer was killed"
+        )
+    if overhang is False:
+        raise CorruptArchiveError(path, "bytes follow the ZIP end record", hint=DAMAGED_HINT)
+
+
+def _read_located(path: str, fd: int, end: End) -> Tuple[ArchiveManifest, SampleIndex]:
+    """Manifest and mapped index from the places the locator gives, each checked against its local header."""
+    if end.directory_offset + end.directory_size != end.directory_end:
+        raise LayoutError("the central directory does not end where the end record says")
+    if _pread(fd, 4, end.directory_offset) != CENTRAL_HEADER.signature:
+        raise LayoutError(f"no central directory at byte {end.directory_offset}, where the end record says")
+    locator = Locator.decode(end.comment)
+    for name, place in locator.members.items():
+        if not place.header < place.data <= place.data + place.size <= end.directory_offset:
+            raise LayoutError(f"the locator places {name} outside the archive's members")
+    if MANIFEST not in locator.members:
+        raise LayoutError("the locator names no manifest.json")
+    text = _read_member(fd, MANIFEST, locator.members[MANIFEST])
+    try:
+        manifest = ArchiveManifest.from_json(text, path=path)
+    except ValueError as exc:
+        raise LayoutError(f"the manifest is damaged ({exc})") from None
+    if end.entries != manifest.count + len(locator.members):
+        raise LayoutError(f"the central directory has {end.entries} entries, the manifest says "
+                          f"{manifest.count} samples and the locator {len(locator.members)} other members")
+    arrays = {name[len(INDEX_DIR) : -len(".npy")]: place for name, place in locator.members.items() if name != MANIFEST}
+    try:
+        index = SampleIndex.from_arrays(_map_arrays(fd, arrays))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise LayoutError(f"cannot read the archive index: {exc}") from None
+    _check_samples(fd, locator, manifest, index, end.directory_offset)
+    return manifest, index
+
+
+def _local_header(fd: int, name: str, place: Place) -> LocalHeader:
+    """The member's local header, checked to be a STORED ``name`` of ``place.size`` bytes starting at ``place.data``."""
+    header = _parse_local_header(fd, place.header, place.data)
+    if header.name != name.encode() or header.method != 0 or header.data != place.data or header.size != place.size:
+        raise LayoutError(f"the local header at byte {place.header} is not that of {name} where the locator says")
+    return header
+
+
+def _parse_local_header(fd: int, at: int, data: int) -> LocalHeader:
+    """The local header at byte ``at`` of a member whose data should start at byte ``data``."""
+    if not 0 <= data - at - LOCAL_HEADER.size <= _LOCAL_HEADER_MAX:
+        raise LayoutError(f"no ZIP local header of a member whose data starts at byte {data} can start at byte {at}")
+    return parse_local_header(_pread(fd, data - at, at), at)
+
+
+def _read_member(fd: int, name: str, place: Place) -> bytes:
+    """A small member's bytes, checked against the CRC32 of its local header."""
+    header = _local_header(fd, name, place)
+    data = _pread(fd, place.size, place.data)
+    if crc32(data) != header.crc32:
+        raise LayoutError(f"{name} is damaged (its CRC-32 does not match)")
+    return data
+
+
+def _map_arrays(fd: int, places: Dict[str, Place]) -> Dict[str, np.ndarray]:
+    """Each index member's array as a read-only view of one map of the file (``index_map``)."""
+    where = {}
+    for array, place in places.items():
+        if not array.isidentifier():
+            raise LayoutError(f"the locator names an unexpected index member {array!r}")
+        _local_header(fd, f"{INDEX_DIR}{array}.npy", place)
+        where[array] = _npy_layout(fd, array, place)
+    try:
+        return index_map.map_arrays(fd, where)
+    except ValueError as exc:
+        raise LayoutError(str(exc)) from None
+
+
+def _npy_layout(fd: int, array: str, place: Place) -> index_map.ArrayAt:
+    """Where an index member's array data lies, from its .npy header."""
+    head = io.BytesIO(_pread(fd, min(place.size, _NPY_HEADER_MAX), place.data))
+    try:
+        version = np.lib.format.read_magic(head)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(head)
+        elif version == (2, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(head)
+        else:
+            raise ValueError(f".npy version {version} is not one this reader maps")
+    except (ValueError, TypeError, SyntaxError) as exc:
+        raise LayoutError(f"the index member {array}.npy is damaged ({exc})") from None
+    at = index_map.ArrayAt(place.data + head.tell(), dtype, tuple(shape))
+    if dtype.hasobject or (fortran and len(shape) > 1) or head.tell() + at.nbytes != place.size:
+        raise LayoutError(f"the index member {array}.npy is damaged (its header does not describe its data)")
+    return at
+
+
+def _check_samples(fd: int, locator: Locator, manifest: ArchiveManifest, index: SampleIndex,
+                   directory_offset: int) -> None:
+    """The first and last samples' local headers agree with the index: name, size, CRC32 and data position."""
+    n = manifest.count
+    if n == 0:
+        return
+    if len(locator.samples) != 2 or index.positions is None or index.crc32 is None or index.offsets is None:
+        raise LayoutError("the locator or the index does not say where the samples are")
+    if min(len(array) for array in index.arrays().values()) < n or len(index.offsets) <= n:
+        raise LayoutError(f"the index has fewer entries than the manifest's {n} samples")
+    for i, header_at in zip((0, n - 1), locator.samples):
+        position, size = int(index.positions[i]), index.nbytes(i)
+        if not header_at < position <= position + size <= directory_offset:
+            raise LayoutError(f"sample {i}'s local header and data lie outside the archive's members")
+        header = _parse_local_header(fd, header_at, position)
+        if (not header.name.startswith(member_name(i, "").encode()) or header.method != 0
+                or header.data != position or header.size != size or header.crc32 != int(index.crc32[i])):
+            raise LayoutError("sample positions in the index do not match the ZIP layout")
+
+
+# ---- opening through zipfile (archives without a locator) ----------------------------------------------------
+def _read_with_zipfile(path: str) -> Tuple[ArchiveManifest, SampleIndex]:
+    """Parse the whole central directory with ``zipfile``: archives of earlier versions, foreign ZIPs."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = set(archive.namelist())
+            if MANIFEST not in names:
+                if any(n.startswith("samples/") for n in names):
+                    raise IncompleteArchiveError(path, "the ZIP has samples but no manifest: it was never sealed")
+                raise UnknownFormatError(path, "a ZIP file, but not a packed_formats archive (no manifest.json)")
+            manifest = ArchiveManifest.from_json(archive.read(MANIFEST), path=path)
+            arrays = {
+                n[len(INDEX_DIR) : -len(".npy")]: from_npy_bytes(archive.read(n))
+                for n in names
+                if n.startswith(INDEX_DIR) and n.endswith(".npy")
+            }
+            index = SampleIndex.from_arrays(arrays)
+            if manifest.count:
+                _check_first_member(path, archive, index)
+    except zipfile.BadZipFile as exc:
+        if "CRC" in str(exc):  # a metadata member fails ZIP's own checksum: damaged, not unfinished
+            raise CorruptArchiveError(path, f"the archive index is damaged ({exc})", hint=DAMAGED_HINT) from None
+        raise IncompleteArchiveError(
+            path, f"not a complete ZIP file ({exc})", hint="the file is truncated or its writer was killed"
+        ) from None
+    except (KeyError, ValueError, OSError, EOFError) as exc:
+        raise CorruptArchiveError(path, f"cannot read the archive index: {exc}") from None
+    return manifest, index
+
+
 def _check_first_member(path: str, archive: zipfile.ZipFile, index: SampleIndex) -> None:
     """The stored position must be where the member's data starts (STORED only)."""
     info = next(i for i in archive.infolist() if i.filename.startswith("samples/"))
     if info.compress_type != zipfile.ZIP_STORED:
         raise CorruptArchiveError(path, f"member {info.filename} is compressed; samples must be STORED")
     with open(path, "rb") as file:
-        header = os.pread(file.fileno(), _LOCAL_HEADER.size, info.header_offset)
-    fields = _LOCAL_HEADER.unpack(header)
-    start = info.header_offset + _LOCAL_HEADER.size + fields[-2] + fields[-1]
-    if fields[0] != b"PK\x03\x04" or index.positions is None or start != int(index.positions[0]):
+        head = os.pread(file.fileno(), LOCAL_HEADER.size, info.header_offset)
+    fields = LOCAL_HEADER.unpack(head)
+    start = -1 if fields is None else info.header_offset + len(head) + fields["name_length"] + fields["extra_length"]
+    if index.positions is None or start != int(index.positions[0]):
         raise CorruptArchiveError(path, "sample positions in the index do not match the ZIP layout")
 
 

@@ -1,10 +1,12 @@
-"""``packed-formats bench``: compare the loading speed of archives and image folders."""
+"""``packed-formats bench``: compare the loading speed of archives and image folders, or (``--scale N``)
+measure what grows with the number of samples."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import importlib.util
+import json
 import os
 import tempfile
 from typing import Iterator, List
@@ -12,19 +14,27 @@ from typing import Iterator, List
 from ..bench.loaders import LOADERS, PIPELINES
 from ..errors import DestinationError
 
-HELP = "measure images/s of archives and ImageFolders at several worker counts, against limits and baselines"
+HELP = ("measure images/s of archives and ImageFolders at several worker counts, against limits and baselines; "
+        "or, with --scale N, what writing, opening and loading N samples costs in each format")
 EXAMPLES = """\
 examples:
   packed-formats bench data/images data/train.zip data/train-raw.memmap
   packed-formats bench data/*.h5 --workers 0,2,4 --pipeline none,train --size 224 --out r.json --plot r.png
   packed-formats bench data/train.lmdb --cold --epochs 3 --warmup 2
   packed-formats bench data/train-raw.memmap --device cuda --pipeline train --workers 0,4
+  packed-formats bench --scale 1000000 --formats zip,memmap --shards 8 --json
 
 Targets are archives of any format, or an ImageFolder tree (timed with
 torchvision.datasets.ImageFolder and its standard transforms: the baseline).
 Each epoch is timed separately after WARMUP batches; img/s is the median over
 epochs of samples delivered / time.  Reference points measured in the same run:
 the copy-bound limit for raw archives and the bare decode rate for encoded ones.
+
+--scale N writes N tiny raw samples in each format and, each in a fresh
+process, times writing, opening and the first batch (plain DataLoader over
+PackedDataset, and make_loader, under fork and spawn), and reports peak and
+per-worker memory, index bytes and open file descriptors: the costs that grow
+with the number of samples.
 """
 
 
@@ -46,9 +56,30 @@ def _pipelines(text: str) -> List[str]:
     return names
 
 
+def _formats(text: str) -> List[str]:
+    from ..backends import PACKED_FORMATS
+
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [n for n in names if n not in PACKED_FORMATS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"formats are {', '.join(PACKED_FORMATS)}; got {text!r}")
+    return names
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text.replace("_", ""))
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("paths", nargs="+", metavar="ARCHIVE_OR_FOLDER", help="archives and/or ImageFolder trees")
-    parser.add_argument("--workers", type=_counts, default=[0, 1, 2, 4], help="DataLoader worker counts (0,1,2,4)")
+    parser.add_argument("paths", nargs="*", metavar="ARCHIVE_OR_FOLDER", help="archives and/or ImageFolder trees")
+    parser.add_argument("--workers", type=_counts, default=None,
+                        help="DataLoader worker counts (0,1,2,4; with --scale one count, 2)")
     parser.add_argument("--batch-size", type=int, default=64, help="samples per batch (64)")
     parser.add_argument("--epochs", type=int, default=3, help="timed epochs per measurement (3)")
     parser.add_argument("--warmup", type=int, default=2, help="batches excluded at the start of each epoch (2)")
@@ -79,14 +110,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--source", default=None, help="the source ImageFolder, to compare archive sizes with")
     parser.add_argument("--out", default=None, help="write every measurement to this JSON file")
     parser.add_argument("--plot", default=None, help="save a PNG plot of images/s here (needs matplotlib)")
+    scale = parser.add_argument_group("at scale (--scale N instead of paths)")
+    scale.add_argument("--scale", type=_positive, default=None, metavar="N",
+                       help="write N raw 4x4x3 samples per format and measure what grows with N")
+    scale.add_argument("--formats", type=_formats, default=None, help="comma-separated formats (all packed formats)")
+    scale.add_argument("--shards", type=_positive, default=None, metavar="P",
+                       help="write each archive as a sharded set of P parts")
+    scale.add_argument("--dir", default=None, help="write the archives under this directory (a temporary one)")
+    scale.add_argument("--keep", action="store_true", help="keep the archives written (removed otherwise)")
+    scale.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
 
 
 def run(args: argparse.Namespace) -> int:
+    _check_mode(args)
+    if args.scale is not None:
+        return _run_at_scale(args)
     from ..bench import BenchConfig, format_table, plot, run_benchmark, write_json
 
     _check_outputs(args)  # before the benchmark: a bad --out must not cost a whole run
     config = BenchConfig(
-        workers=args.workers, batch_size=args.batch_size, epochs=args.epochs, warmup=args.warmup,
+        workers=args.workers or [0, 1, 2, 4], batch_size=args.batch_size, epochs=args.epochs, warmup=args.warmup,
         max_batches=args.max_batches, pipelines=args.pipeline, size=args.size, start_method=args.start_method,
         cold=args.cold, shuffle=args.shuffle, loader=args.loader, references=args.references,
         tensordict_baseline=args.tensordict_baseline, source=args.source, decode_size=args.decode_size,
@@ -103,6 +146,42 @@ def run(args: argparse.Namespace) -> int:
             plot(results, args.plot)
         print(f"wrote {args.plot}")
     return 1 if any(r.get("error") for r in results["runs"]) else 0
+
+
+def _check_mode(args: argparse.Namespace) -> None:
+    """Paths or --scale, never both, and the --scale options only with --scale (ValueError otherwise)."""
+    if args.scale is None:
+        if not args.paths:
+            raise ValueError("give the archives or ImageFolder trees to time, or --scale N")
+        given = [f"--{name}" for name in ("formats", "shards", "dir") if getattr(args, name) is not None]
+        given += [f"--{name}" for name in ("keep", "json") if getattr(args, name)]
+        if given:
+            raise ValueError(f"{', '.join(given)} only apply with --scale N")
+        return
+    if args.paths:
+        raise ValueError("--scale writes its own archives: give no paths with it")
+    if args.plot:
+        raise ValueError("--plot does not apply with --scale")
+    if args.workers is not None and len(args.workers) != 1:
+        raise ValueError("--scale takes one worker count, e.g. --workers 2")
+
+
+def _run_at_scale(args: argparse.Namespace) -> int:
+    """``bench --scale N``: the table (or JSON) of ``bench.scale``; 1 if any measurement failed."""
+    from ..bench.scale import ScaleConfig, format_scale_table, run_scale
+
+    _check_outputs(args)
+    config = ScaleConfig(
+        count=args.scale, formats=args.formats or (), workers=args.workers[0] if args.workers else 2,
+        batch_size=args.batch_size, shards=args.shards, directory=args.dir, keep=args.keep,
+        start_methods=(args.start_method,) if args.start_method else ("fork", "spawn"),
+    )
+    results = run_scale(config)
+    print(json.dumps(results, indent=1) if args.json else format_scale_table(results))
+    if args.out:
+        with _writing(args.out), open(args.out, "w") as file:
+            json.dump(results, file, indent=1)
+    return 1 if any(row["errors"] for row in results["rows"]) else 0
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
