@@ -26,6 +26,7 @@ from .errors import (
     InvalidSourceError,
     PackedFormatError,
     SampleIndexError,
+    TooManyOpenFilesError,
     UnknownFormatError,
     UnsupportedVersionError,
 )
@@ -62,6 +63,7 @@ __all__ = [
     "SampleIndexError",
     "SkippedSampleWarning",
     "SourceWarning",
+    "TooManyOpenFilesError",
     "UnknownFormatError",
     "UnpicklingWarning",
     "UnsupportedVersionError",

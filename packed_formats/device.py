@@ -7,7 +7,7 @@ from typing import Callable, Deque, Iterator, Optional, Tuple, Union
 
 import torch
 
-from .transforms import apply_transform
+from .transforms import apply_with_labels
 
 Batch = Tuple[torch.Tensor, torch.Tensor]  # (images, labels)
 Generators = Callable[[int], torch.Generator]  # batch number -> the generator of its random transforms
@@ -23,17 +23,31 @@ def resolve_device(device: Union[str, torch.device]) -> torch.device:
     return device
 
 
+def in_memory_format(images: torch.Tensor, memory_format: Optional[torch.memory_format]) -> torch.Tensor:
+    """A [B,C,H,W] batch in ``memory_format`` (None: as it is), copied on its device only when it is not.
+
+    Host batches for a device keep the archive's channels-last layout: on a GPU
+    the conversion is one fast device copy, where on the host it would cost a pass.
+    """
+    if memory_format is None or images.dim() != 4 or images.is_contiguous(memory_format=memory_format):
+        return images
+    return images.contiguous(memory_format=memory_format)
+
+
 def copy_then_transform(host: Iterator[Batch], device: torch.device, transform: Optional[Callable],
-                        generators: Generators) -> Iterator[Batch]:
+                        generators: Generators,
+                        memory_format: Optional[torch.memory_format] = None) -> Iterator[Batch]:
     """Host batches moved with a plain (blocking, unpinned) ``.to(device)``, then transformed there.
 
     What a device other than CUDA gets, and the benchmark's reference for what
-    pinned memory and side-stream prefetch buy on CUDA.
+    pinned memory and side-stream prefetch buy on CUDA.  Batches come out in
+    ``memory_format`` (None: as the transform leaves them).
     """
     for k, (images, labels) in enumerate(host):
-        images, labels = images.to(device), labels.to(device)
+        images, labels = in_memory_format(images.to(device), memory_format), labels.to(device)
         if transform is not None:
-            images = apply_transform(transform, images, generators(k))
+            images, labels = apply_with_labels(transform, images, labels, generators(k))
+            images = in_memory_format(images, memory_format)
         yield images, labels
 
 
@@ -50,12 +64,15 @@ class CudaPrefetcher:
         prefetch: batches copied ahead of the one in use (at least 1).
         transform: run on each batch on the device (None: none).
         seeds: batch number -> the generator of its transform.
+        memory_format: the layout batches come out in, converted on the side stream
+            after the copy (None: as copied and transformed).
     """
 
     def __init__(self, batches: Iterator[Batch], device: torch.device, prefetch: int,
-                 transform: Optional[Callable] = None, seeds: Optional[Generators] = None) -> None:
+                 transform: Optional[Callable] = None, seeds: Optional[Generators] = None,
+                 memory_format: Optional[torch.memory_format] = None) -> None:
         self.batches, self.device, self.prefetch = batches, device, max(1, prefetch)
-        self.transform, self.seeds = transform, seeds
+        self.transform, self.seeds, self.memory_format = transform, seeds, memory_format
         self.stream = torch.cuda.Stream(device=device)
         self.queue: Deque[Tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]] = deque()
         self.number = 0
@@ -66,7 +83,7 @@ class CudaPrefetcher:
         except StopIteration:
             return False
         with torch.cuda.stream(self.stream):
-            images = images.to(self.device, non_blocking=True)
+            images = in_memory_format(images.to(self.device, non_blocking=True), self.memory_format)
             labels = labels.to(self.device, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
@@ -89,6 +106,7 @@ class CudaPrefetcher:
         self._issue()
         if self.transform is not None:
             generator = None if self.seeds is None else self.seeds(self.number)
-            images = apply_transform(self.transform, images, generator)
+            images, labels = apply_with_labels(self.transform, images, labels, generator)
+            images = in_memory_format(images, self.memory_format)
         self.number += 1
         return images, labels

@@ -15,12 +15,15 @@ import os
 import signal
 import time
 import warnings
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from collections import deque
+from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
 from .backends import open_archive
 from .backends.base import Reader
+from .backends.sharded import given_max_open_parts
+from .dataset import PackedDataset
 from .device import CudaPrefetcher, copy_then_transform, resolve_device
 from .errors import DataLoaderWorkerError
 from .memory import SlotPool
@@ -59,6 +62,7 @@ __all__ = [
 ]
 
 Batch = Tuple[torch.Tensor, torch.Tensor]  # (images, labels)
+MEMORY_FORMATS = (torch.contiguous_format, torch.channels_last)
 
 
 class PackedLoader:
@@ -66,21 +70,36 @@ class PackedLoader:
 
     ``state_dict()`` / ``load_state_dict()`` save and restore where the epoch
     stands, so that a new process continues it exactly (see ``state_dict``).
+
+    It stands in for a ``DataLoader`` in code written for one: ``len(loader)``,
+    ``loader.dataset`` (a ``PackedDataset`` of the archive, with ``classes`` and
+    ``targets``), ``batch_size``, ``num_workers``, ``drop_last`` and
+    ``loader.sampler.set_epoch(epoch)``.  It is no DataLoader subclass, so
+    Lightning leaves it as it is (no DistributedSampler put in): it splits
+    itself over the ranks of torch.distributed when each epoch starts.
     """
 
     KIND = "PackedLoader"
 
     def __init__(self, batch_reader: BatchReader, sampler: BatchSampler, loader: torch.utils.data.DataLoader,
                  device: torch.device, transform: Optional[Callable], prefetch: int,
-                 distributed: Optional[bool] = None, placement: Optional[Tuple[int, int]] = None) -> None:
+                 distributed: Optional[bool] = None, placement: Optional[Tuple[int, int]] = None, *,
+                 memory_format: torch.memory_format = torch.contiguous_format, return_index: bool = False,
+                 dataset: Optional[PackedDataset] = None) -> None:
         self.batch_reader, self.sampler, self.dataloader = batch_reader, sampler, loader
         self.device, self.transform, self.prefetch = device, transform, prefetch
         self.distributed, self.placement = distributed, placement
+        self.memory_format, self.return_index, self._dataset = memory_format, return_index, dataset
+        sampler.call_on_set_epoch(self.set_epoch)  # loader.sampler.set_epoch, as code written for DataLoader calls it
         self.skipped: List[Skipped] = []
         self._next_epoch: Optional[int] = None
         self._resume: Optional[EpochPosition] = None  # loaded: where the next pass starts
         self._pass: Optional[EpochPosition] = None  # the pass in progress: ``done`` counts batches handed out
         self._identity: Optional[Dict[str, Any]] = None
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.sampler.call_on_set_epoch(self.set_epoch)
 
     @property
     def reader(self) -> Reader:
@@ -98,6 +117,22 @@ class PackedLoader:
     @property
     def batch_size(self) -> int:
         return self.sampler.batch_size
+
+    @property
+    def drop_last(self) -> bool:
+        return self.sampler.drop_last
+
+    @property
+    def num_workers(self) -> int:
+        return self.dataloader.num_workers
+
+    @property
+    def dataset(self) -> PackedDataset:
+        """The archive as a Dataset (the one make_loader was given, else one over this loader's reader):
+        what code written for a DataLoader reads ``len``, ``classes`` and ``targets`` from."""
+        if self._dataset is None:
+            self._dataset = PackedDataset(self.reader, output="tensor")
+        return self._dataset
 
     def set_epoch(self, epoch: int) -> None:
         """Use this epoch for the next iteration (otherwise each iteration adds one).
@@ -127,7 +162,13 @@ class PackedLoader:
             if isinstance(init, WorkerInit):
                 init.rank = rank
 
-    def __iter__(self) -> Iterator[Batch]:
+    def __iter__(self) -> Iterator[Tuple[torch.Tensor, ...]]:
+        """This pass's batches.  The pass (its epoch, ranks and order) begins with the first batch
+        asked for, so ``set_epoch`` between ``iter()`` and it still counts: Lightning calls
+        ``iter`` before ``sampler.set_epoch`` when it starts or resumes training."""
+        yield from self._pass_batches()
+
+    def _pass_batches(self) -> Iterator[Tuple[torch.Tensor, ...]]:
         position = self._begin_pass()
         pool = self.batch_reader.pool
         if pool is not None and self.dataloader.num_workers and not self.dataloader.persistent_workers:
@@ -135,9 +176,10 @@ class PackedLoader:
             # in flight when they stopped) neither block nor mislead them
             self.batch_reader.pool = SlotPool(self.dataloader.num_workers, min_bytes=pool.min_bytes)
         numbers: List[int] = []  # the place in this rank's share of each batch handed on
-        host = self._host_batches(iter(self.dataloader), position.done, numbers)
+        indices: Deque[torch.Tensor] = deque()  # the sample indices of the batches not yet handed out
+        host = self._host_batches(iter(self.dataloader), position.done, numbers, indices)
         if self.device.type == "cpu":
-            return self._handed_out(host, position, numbers)
+            return self._handed_out(host, position, numbers, indices)
         epoch, seed, rank, first = position.epoch, self.batch_reader.seed, self.batch_reader.rank, position.first_batch
 
         def generators(k: int) -> torch.Generator:  # the k-th batch of the pass: seeded by its batch number
@@ -145,10 +187,10 @@ class PackedLoader:
 
         device: Iterator[Batch]
         if self.device.type == "cuda":
-            device = CudaPrefetcher(host, self.device, self.prefetch, self.transform, generators)
+            device = CudaPrefetcher(host, self.device, self.prefetch, self.transform, generators, self.memory_format)
         else:
-            device = copy_then_transform(host, self.device, self.transform, generators)
-        return self._handed_out(device, position, numbers)
+            device = copy_then_transform(host, self.device, self.transform, generators, self.memory_format)
+        return self._handed_out(device, position, numbers, indices)
 
     def _begin_pass(self) -> EpochPosition:
         """Where the pass now starting begins: a loaded state's position, or the next epoch's start."""
@@ -163,22 +205,28 @@ class PackedLoader:
         self._pass = dataclasses.replace(position)
         return self._pass
 
-    def _host_batches(self, batches: Iterator, first: int, numbers: List[int]) -> Iterator[Batch]:
-        for number, (images, labels, skipped) in enumerate(_naming_dead_workers(batches, self.reader.path), first):
+    def _host_batches(self, batches: Iterator, first: int, numbers: List[int],
+                      indices: Deque[torch.Tensor]) -> Iterator[Batch]:
+        for number, (images, labels, skipped, index) in enumerate(_naming_dead_workers(batches, self.reader.path),
+                                                                  first):
             if skipped:
                 self._warn(skipped)
             if len(labels):
                 numbers.append(number)
+                indices.append(index)
                 yield images, labels
 
-    def _handed_out(self, batches: Iterator[Batch], position: EpochPosition, numbers: List[int]) -> Iterator[Batch]:
-        """``batches``, counting in ``position`` those handed to the caller (not those merely prefetched).
+    def _handed_out(self, batches: Iterator[Batch], position: EpochPosition, numbers: List[int],
+                    indices: Deque[torch.Tensor]) -> Iterator[Tuple[torch.Tensor, ...]]:
+        """``batches``, counting in ``position`` those handed to the caller (not those merely prefetched),
+        with their samples' indices (on the CPU) when ``return_index``.
 
         A pass left early (a ``break``) keeps its count: its state is the rest of its epoch.
         """
         for k, batch in enumerate(batches):
             position.done = numbers[k] + 1  # batches left empty by skipped samples count as done
-            yield batch
+            index = indices.popleft()  # batches come out in the order they went in, prefetched or not
+            yield (*batch, index) if self.return_index else batch
         position.done = self.sampler.split_batches(position.start)
 
     def _warn(self, skipped: Sequence[Skipped]) -> None:
@@ -284,6 +332,8 @@ def make_loader(
     format: Optional[str] = None,
     persistent_workers: bool = True,
     multiprocessing_context: Any = None,
+    memory_format: torch.memory_format = torch.contiguous_format,
+    return_index: bool = False,
 ) -> PackedLoader:
     """A fast loader of whole ``(images, labels)`` batches from an archive.
 
@@ -296,7 +346,10 @@ def make_loader(
             ``pf.transforms.Batched``) gets each uint8 [B,C,H,W] batch; any other callable
             (a torchvision pipeline) gets each [C,H,W] image on its own, so its random
             draws are per image (at the cost of one Python call per image).  Runs in the
-            workers for the CPU, on the device otherwise.
+            workers for the CPU, on the device otherwise.  A transform that takes
+            ``(images, labels)`` (torchvision's MixUp/CutMix, ``pf.transforms.WithLabels``),
+            alone or last in a ``pf.transforms.Compose`` after ``Normalize``, gets each batch
+            with its labels, which then come out as it returns them (soft float [B, classes]).
         distributed: split samples over torch.distributed ranks (None: when initialised);
             see ``shard_indices`` for the split and its padding.  The rank is taken when
             each epoch starts, so a loader built before ``init_process_group`` is split too.
@@ -316,15 +369,27 @@ def make_loader(
         format: insist on this archive format.
         persistent_workers: keep workers (and their open handles) across epochs.
         multiprocessing_context: "fork", "spawn", "forkserver" or None (torch's default).
+        memory_format: the layout of the image batches: contiguous NCHW (the default:
+            what ``x.view(B, -1)`` and DDP's gradient buckets expect) or ``torch.channels_last``
+            (what the archive holds: no conversion at all, and the faster layout for a
+            channels-last model).  A CPU batch is converted once, in the worker, into the
+            memory it is sent in; another device converts it there.
+        return_index: batches are ``(images, labels, indices)``, ``indices`` the int64 [B]
+            dataset indices of the batch's samples (on the CPU, for bookkeeping).
 
-    Images are uint8 [B,C,H,W] (channels-last in memory) unless the transform
-    changes them; labels are int64 [B].  ``len(loader)`` is the number of
-    batches per epoch on this rank.  ``loader.state_dict()`` saved with a
-    checkpoint and ``loader.load_state_dict(state)`` in a new process continue
-    an interrupted epoch exactly.  Raises PackedFormatError for bad archives.
+    Images are uint8 [B,C,H,W] unless the transform changes them; labels are
+    int64 [B] unless a transform that takes labels changes them.
+    ``len(loader)`` is the number of batches per epoch on this rank; the loader
+    also has DataLoader's ``dataset``, ``batch_size``, ``num_workers``,
+    ``drop_last`` and ``sampler.set_epoch``.
+    ``loader.state_dict()`` saved with a checkpoint and
+    ``loader.load_state_dict(state)`` in a new process continue an
+    interrupted epoch exactly.  Raises PackedFormatError for bad archives.
     """
     check_on_error(on_error)
     check_verify(verify)
+    if memory_format not in MEMORY_FORMATS:
+        raise ValueError(f"memory_format must be torch.contiguous_format or torch.channels_last, got {memory_format}")
     if num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
     device = resolve_device(device)
@@ -342,6 +407,7 @@ def make_loader(
         reader, size=decode_size, transform=transform if on_cpu else None, on_error=on_error,
         seed=seed, rank=rank, pin=device.type == "cuda" and num_workers == 0,
         pool=SlotPool(num_workers) if num_workers > 0 else None,
+        memory_format=memory_format if on_cpu else None,  # another device converts the batch there, cheaply
     )
     loader = torch.utils.data.DataLoader(
         batch_reader,
@@ -355,7 +421,9 @@ def make_loader(
         worker_init_fn=WorkerInit(seed, rank),
     )
     return PackedLoader(
-        batch_reader, sampler, loader, device, None if on_cpu else transform, prefetch, distributed, placement
+        batch_reader, sampler, loader, device, None if on_cpu else transform, prefetch, distributed, placement,
+        memory_format=memory_format, return_index=return_index,
+        dataset=source if isinstance(source, PackedDataset) else None,
     )
 
 
@@ -414,7 +482,8 @@ def _open_reader(source: Any, format: Optional[str], verify: VerifyPolicy) -> Re
     if isinstance(reader, Reader):
         if getattr(source, "transform", None) is not None:
             raise ValueError("make_loader applies batch transforms: pass transform= to make_loader, not the dataset")
-        return open_archive(reader.path, format=reader.format_name, verify=verify)
+        return open_archive(reader.path, format=reader.format_name, verify=verify,
+                            max_open_parts=given_max_open_parts(reader))
     if isinstance(source, (str, os.PathLike)):
         return open_archive(source, format=format, verify=verify)
     raise TypeError(f"make_loader needs an archive path, a PackedDataset or a Reader, got {type(source).__name__}")

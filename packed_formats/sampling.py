@@ -15,8 +15,9 @@ import math
 import os
 import random
 import warnings
+import weakref
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
@@ -134,6 +135,9 @@ class BatchSampler(torch.utils.data.Sampler):
     share is split from the global order's position ``start`` on
     (``shard_indices``), batches are numbered from ``first_batch``, and the
     first ``skip`` of them are left out (they were delivered before).
+    ``set_epoch`` is ``DistributedSampler``'s: code written for a DataLoader
+    calls it on ``loader.sampler``, and the loader that owns this sampler
+    (``call_on_set_epoch``) decides what it means for a pass under way or resumed.
     """
 
     def __init__(self, n: int, batch_size: int, shuffle: bool, drop_last: bool, seed: int, rank: int,
@@ -144,6 +148,25 @@ class BatchSampler(torch.utils.data.Sampler):
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.epoch = 0
         self.start, self.first_batch, self.skip = 0, 0, 0
+        self._on_set_epoch: Optional[weakref.WeakMethod[Callable[[int], None]]] = None
+
+    def call_on_set_epoch(self, method: Callable[[int], None]) -> None:
+        """Hand ``set_epoch`` to ``method``, a bound method held weakly: its loader must go (workers
+        and all) as soon as its user drops it, not wait for the garbage collector to find a cycle."""
+        self._on_set_epoch = weakref.WeakMethod(method)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Plan ``epoch`` next (shuffled with ``seed + epoch``), as ``DistributedSampler.set_epoch`` does."""
+        method = None if self._on_set_epoch is None else self._on_set_epoch()
+        if method is not None:
+            method(int(epoch))
+        else:
+            self.epoch = int(epoch)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_on_set_epoch"] = None  # a weak reference does not pickle: the unpickled loader hands it again
+        return state
 
     def place(self, position: EpochPosition) -> None:
         """Plan the next iteration from ``position`` (of this sampler's world size)."""

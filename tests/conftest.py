@@ -103,5 +103,5 @@ def digest(image: torch.Tensor) -> str:
 
 def sample_lookup(path) -> dict:
     """sha1 of each sample's [C,H,W] pixels -> its index (samples here are all distinct)."""
-    dataset = pf.PackedDataset(path)
+    dataset = pf.PackedDataset(path, output="tensor")
     return {digest(dataset[i][0]): i for i in range(len(dataset))}

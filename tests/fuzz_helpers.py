@@ -68,7 +68,7 @@ def loader_options(mode: str) -> dict:
 
 def reference_of(path: str, mode: str) -> Reference:
     """Read the intact archive at ``path`` through PackedDataset and make_loader."""
-    with pf.PackedDataset(path) as dataset:
+    with pf.PackedDataset(path, output="tensor") as dataset:
         samples = [dataset[i] for i in range(len(dataset))]
         keys = [dataset.key(i) for i in range(len(dataset))]
         classes = list(dataset.classes)
@@ -188,7 +188,7 @@ def first_difference(name: str, got, expected) -> Optional[str]:
 
 def read_dataset(path: str, ref: Reference, mode: str) -> Optional[str]:
     """``PackedDataset(path)[i]`` and ``key(i)`` for every i, its classes, length and targets."""
-    dataset = pf.PackedDataset(path)
+    dataset = pf.PackedDataset(path, output="tensor")
     checks = [("count", len(dataset), ref.count), ("classes", list(dataset.classes), ref.classes)]
     for name, got, expected in checks:
         problem = first_difference(name, got, expected)
@@ -212,7 +212,7 @@ def read_dataset(path: str, ref: Reference, mode: str) -> Optional[str]:
 
 def read_dataloader(path: str, ref: Reference, mode: str) -> Optional[str]:
     """A plain DataLoader with 2 workers over the whole PackedDataset."""
-    dataset = pf.PackedDataset(path)
+    dataset = pf.PackedDataset(path, output="tensor")
     problem = first_difference("count", len(dataset), ref.count)
     if problem:
         return problem

@@ -213,7 +213,8 @@ def test_pooling_works_under_the_file_system_sharing_strategy(uniform_archives, 
         "loader = pf.make_loader(sys.argv[1], batch_size=2, num_workers=2, shuffle=False)\n"
         "loader.batch_reader.pool.min_bytes = 0\n"
         "kept = [images for _ in range(2) for images, _ in loader]\n"
-        "expected = torch.stack([pf.PackedDataset(sys.argv[1])[i][0] for i in range(len(loader.reader))])\n"
+        "dataset = pf.PackedDataset(sys.argv[1], output='tensor')\n"
+        "expected = torch.stack([dataset[i][0] for i in range(len(loader.reader))])\n"
         "assert all(torch.equal(b, expected[2 * (k % len(loader)):][:2]) for k, b in enumerate(kept))\n"
         "states = loader.batch_reader.pool.states\n"
         "assert int(states.sum()) == states.numel(), states\n"
@@ -259,7 +260,7 @@ def test_a_transform_returning_a_view_of_the_read_buffer_keeps_its_batches(unifo
 
 
 def check_kept_batches_without_pool(path, transform=None, **options):
-    dataset = pf.PackedDataset(path)
+    dataset = pf.PackedDataset(path, output="tensor")
     as_delivered = transform or (lambda batch: batch)
     lookup = {digest(as_delivered(dataset[i][0][None])[0]): i for i in range(len(dataset))}
     loader = pf.make_loader(path, batch_size=3, transform=transform, **options)

@@ -56,7 +56,7 @@ CONFIGS = [pytest.param(None, 0, False, id="main-process")] + [
 def test_every_sample_once_per_epoch_exact_and_read_by_its_own_handle(archives, kind, method, workers, persistent):
     """The core safety test: the reader is touched in the main process first
     (so a handle is open when workers start), then two epochs are loaded."""
-    dataset = pf.PackedDataset(archives[kind])
+    dataset = pf.PackedDataset(archives[kind], output="tensor")
     expected = expected_crcs(dataset)
     dataset[0]
     key = dataset.reader.handle_key
@@ -86,7 +86,7 @@ def load_touched_before_fork(path):
     The parent reads first, so its handle is open when the workers fork, and keeps
     that handle object alive (in every forked copy too) while they read.
     """
-    dataset = pf.PackedDataset(path)
+    dataset = pf.PackedDataset(path, output="tensor")
     expected = expected_crcs(dataset)
     dataset[0]
     parent_handle = dataset.reader.handle()  # noqa: F841 - kept alive on purpose
@@ -133,7 +133,7 @@ def test_creating_a_dataset_leaves_nothing_open(archives, kind):
 
 
 def test_datasets_pickle_as_a_description_and_read_after(archives, kind):
-    dataset = pf.PackedDataset(archives[kind])
+    dataset = pf.PackedDataset(archives[kind], output="tensor")
     first = dataset[3][0]  # an open handle must not travel
     blob = pickle.dumps(dataset)
     index_bytes = sum(a.nbytes for a in dataset.reader.index.arrays().values())
@@ -165,7 +165,7 @@ def open_files():
 def test_no_file_descriptors_leak_after_loading(archives, kind, workers):
     gc.collect()
     before = open_files()
-    dataset = pf.PackedDataset(archives[kind])
+    dataset = pf.PackedDataset(archives[kind], output="tensor")
     dataset[0]
     assert any(t.startswith(os.path.realpath(archives[kind])) for t in open_files().values()) or kind[0] == "folder"
     run_epochs(dataset, epochs=1, num_workers=workers)
@@ -188,19 +188,19 @@ def test_closed_datasets_and_readers_refuse_to_read(archives, kind):
 
 def test_two_datasets_on_one_path_share_one_handle_per_process(archives, packed_kind):
     path = archives[packed_kind]
-    train, val = pf.PackedDataset(path), pf.PackedDataset(path)
+    train, val = pf.PackedDataset(path, output="tensor"), pf.PackedDataset(path, output="tensor")
     assert torch.equal(train[2][0], val[2][0])
     key = train.reader.handle_key
     assert handles.open_handles()[key][2] == 2  # two users of one handle
     train.close()
-    assert torch.equal(val[5][0], pf.PackedDataset(path)[5][0])
+    assert torch.equal(val[5][0], pf.PackedDataset(path, output="tensor")[5][0])
     val.close()
 
 
 @pytest.mark.slow
 def test_lmdb_survives_forty_epochs_of_fresh_workers(archives):
     """LMDB reader slots must not run out when workers come and go."""
-    dataset = pf.PackedDataset(archives[("lmdb", "raw")])
+    dataset = pf.PackedDataset(archives[("lmdb", "raw")], output="tensor")
     dataset[0]  # the main process holds the environment throughout
     loader = DataLoader(Probe(dataset), batch_size=6, num_workers=4, collate_fn=as_list)
     for _ in range(40):

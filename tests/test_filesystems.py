@@ -49,7 +49,7 @@ def test_archives_on_a_read_only_mount_read_and_verify_and_refuse_writes(small_t
     remount = subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], capture_output=True)
     if remount.returncode != 0:
         pytest.skip("cannot remount read-only here")
-    dataset = pf.PackedDataset(path)
+    dataset = pf.PackedDataset(path, output="tensor")
     assert len(dataset) == 24 and dataset[23][0].shape[0] == 3
     assert pf.verify_archive(path).ok
     with pytest.raises(pf.PackedFormatError, match="small"):

@@ -22,7 +22,7 @@ def epoch_indices(loader, lookup) -> list:
 
 
 def test_batches_equal_per_sample_getitem(uniform):
-    dataset = pf.PackedDataset(uniform)
+    dataset = pf.PackedDataset(uniform, output="tensor")
     loader = pf.make_loader(uniform, batch_size=5, shuffle=False, num_workers=0)
     seen = 0
     for images, labels in loader:
@@ -131,7 +131,9 @@ def test_len_counts_batches(uniform_archives, drop_last, batches, last):
 
 
 def test_batches_are_channels_last_views_of_one_buffer(uniform_archives):
-    images, _ = next(iter(pf.make_loader(uniform_archives[("memmap", "raw")], batch_size=4, num_workers=0)))
+    loader = pf.make_loader(uniform_archives[("memmap", "raw")], batch_size=4, num_workers=0,
+                            memory_format=torch.channels_last)
+    images, _ = next(iter(loader))
     assert images.shape == (4, RAW_SHAPE[2], RAW_SHAPE[0], RAW_SHAPE[1])
     assert images.is_contiguous(memory_format=torch.channels_last)
 
@@ -219,7 +221,7 @@ def test_skip_drops_the_corrupt_sample_with_a_warning(corrupt):
 def test_skip_keeps_the_good_samples_of_the_batch_intact(uniform_archives, tmp_path):
     src = uniform_archives[("memmap", "raw")]
     bad = corrupt_copy(src, os.fspath(tmp_path / "bad.memmap"), "memmap", "raw")
-    dataset = pf.PackedDataset(src)
+    dataset = pf.PackedDataset(src, output="tensor")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SkippedSampleWarning)
         images, labels = next(iter(pf.make_loader(bad, batch_size=8, num_workers=0, shuffle=False, on_error="skip")))

@@ -113,7 +113,7 @@ def test_convert_refuses_truncated_images_even_when_pillow_is_told_to_load_them(
 
 
 def test_intact_images_decode_the_same_whatever_pillow_is_told(archives, monkeypatch):
-    dataset = pf.PackedDataset(archives[("zip", "encoded")])
+    dataset = pf.PackedDataset(archives[("zip", "encoded")], output="tensor")
     strict = [dataset[i][0] for i in range(len(dataset))]
     monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)
     assert all(torch.equal(dataset[i][0], strict[i]) for i in range(len(dataset)))
@@ -173,7 +173,7 @@ def write_filled(path, fmt: str, value: int, count: int, overwrite: bool = False
 def test_an_archive_replaced_under_its_dataset_is_refused_not_misread(tmp_path, fmt):
     path = tmp_path / f"moving.{fmt}"
     write_filled(path, fmt, 1, count=4)
-    touched, untouched = pf.PackedDataset(path), pf.PackedDataset(path)
+    touched, untouched = pf.PackedDataset(path, output="tensor"), pf.PackedDataset(path)
     touched[0]  # holds the old file open
     write_filled(path, fmt, 2, count=6, overwrite=True)  # published by os.replace
     assert int(touched[3][0][0, 0, 0]) == 1  # an open handle keeps reading the old file, whole
@@ -246,7 +246,7 @@ def test_two_lmdb_datasets_on_one_path_share_one_environment_inside_a_forked_wor
     path = archives[("lmdb", "raw")]
     alias = tmp_path / "same.lmdb"
     os.symlink(path, alias)  # another spelling of the same file
-    train, val = pf.PackedDataset(path), pf.PackedDataset(alias)
+    train, val = pf.PackedDataset(path, output="tensor"), pf.PackedDataset(alias, output="tensor")
     expected = [zlib.crc32(train[i][0].numpy().tobytes()) for i in range(len(train))]
     val[0]  # the parent holds the environment when the workers fork
     loader = DataLoader(
@@ -271,7 +271,7 @@ def test_two_lmdb_datasets_on_one_path_share_one_environment_inside_a_forked_wor
 
 @pytest.mark.parametrize("fmt", pf.PACKED_FORMATS)
 def test_subset_and_concat_dataset_deliver_the_right_samples_with_workers(archives, fmt):
-    dataset = pf.PackedDataset(archives[(fmt, "raw")])
+    dataset = pf.PackedDataset(archives[(fmt, "raw")], output="tensor")
     images = torch.stack([dataset[i][0] for i in range(len(dataset))])
     picks = [23, 5, 5, 0, 17, 2, 9]  # unsorted, with a repeat: Subset hands these to __getitems__
     subset = Subset(dataset, picks)

@@ -358,7 +358,8 @@ def test_resumable_sampler_gives_distributed_samplers_order(n, world, drop_last,
 
 def test_resumable_sampler_resumes_a_plain_dataloader_with_workers(archive):
     def loader(sampler):
-        return torch.utils.data.DataLoader(pf.PackedDataset(archive), batch_size=4, sampler=sampler, num_workers=2)
+        dataset = pf.PackedDataset(archive, output="tensor")
+        return torch.utils.data.DataLoader(dataset, batch_size=4, sampler=sampler, num_workers=2)
 
     def labels(sampler, stop=None) -> list:
         out, taken = [], 0
@@ -424,7 +425,7 @@ def test_resumable_sampler_with_torchdata_stateful_dataloader(archive):
     stateful = pytest.importorskip("torchdata.stateful_dataloader")
 
     def loader():
-        dataset = pf.PackedDataset(archive)
+        dataset = pf.PackedDataset(archive, output="tensor")
         return stateful.StatefulDataLoader(dataset, batch_size=4, sampler=pf.ResumableSampler(dataset, seed=2),
                                            num_workers=2)
 

@@ -108,7 +108,7 @@ def test_dataset_outputs(archives, kind, output):
 
 
 def test_getitems_returns_what_getitem_would(archives, kind):
-    dataset = pf.PackedDataset(archives[kind])
+    dataset = pf.PackedDataset(archives[kind], output="tensor")
     indices = [9, 2, 9, 23]
     batch = dataset.__getitems__(indices)
     assert len(batch) == len(indices)
@@ -119,7 +119,8 @@ def test_getitems_returns_what_getitem_would(archives, kind):
 
 def test_transforms_apply_to_image_and_label(archives):
     dataset = pf.PackedDataset(
-        archives[("memmap", "raw")], transform=lambda x: x.float() / 255, target_transform=lambda y: y + 100
+        archives[("memmap", "raw")], output="tensor", transform=lambda x: x.float() / 255,
+        target_transform=lambda y: y + 100,
     )
     image, label = dataset[0]
     assert image.dtype == torch.float32 and float(image.max()) <= 1.0
@@ -148,7 +149,7 @@ def test_single_channel_raw_archives(tmp_path, fmt):
     with pf.open_writer(path, format=fmt, mode="raw", shape=(6, 5, 1)) as writer:
         for i, image in enumerate(images):
             writer.add(image, i)
-    dataset = pf.PackedDataset(path)
+    dataset = pf.PackedDataset(path, output="tensor")
     image, label = dataset[2]
     assert image.shape == (1, 6, 5) and label == 2 and int(image[0, 0, 0]) == 2
 

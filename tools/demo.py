@@ -45,7 +45,7 @@ def timed_second_epoch(loader) -> float:
 
 
 def dataset_rate(path: str, workers: int, batch_size: int) -> float:
-    with pf.PackedDataset(path) as dataset:
+    with pf.PackedDataset(path, output="tensor") as dataset:
         loader = DataLoader(
             dataset,
             batch_size=batch_size,

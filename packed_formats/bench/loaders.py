@@ -103,7 +103,8 @@ def batch_transform(transforms, pipeline: str, size: int) -> Optional[Callable]:
 def make_loader_loader(path: str, mode: str, pipeline: str, size: int, batch_size: int, workers: int,
                        shuffle: bool, context: Optional[str], decode_size: Optional[int] = None, seed: int = 0,
                        device: str = "cpu"):
-    """``pf.make_loader`` with ``pf.transforms.val/train(size)`` (whole-batch uint8 work, crop before float).
+    """``pf.make_loader`` with ``pf.transforms.val/train(size)`` (whole-batch uint8 work, crop before float);
+    untransformed batches in channels-last layout (the archive's own; see below).
 
     Encoded archives are decoded to ``decode_size`` x ``decode_size`` so that a batch has one shape.
     On CUDA, batches are pinned and copied on a side stream, and transformed on the GPU.
@@ -117,6 +118,10 @@ def make_loader_loader(path: str, mode: str, pipeline: str, size: int, batch_siz
                    transform=transform, drop_last=False, seed=seed)
     if mode == "encoded" and decode_size:
         options["size"] = decode_size
+    if pipeline == "none" and accepts(make_loader, "memory_format"):
+        # untransformed batches as read, [B,H,W,C] in memory, like the copy-bound limit's gather:
+        # the default contiguous NCHW would add a transpose on the host (on a GPU it is done there)
+        options["memory_format"] = torch.channels_last
     if workers and context and accepts(make_loader, "multiprocessing_context"):
         options["multiprocessing_context"] = context
     return make_loader(path, **options)

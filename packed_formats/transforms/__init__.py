@@ -10,10 +10,19 @@ has memory for the result (a DataLoader worker's shared-memory slot) passes
 ``allocate=`` to ``forward``.
 
 ``train(size)`` and ``val(size)`` are the usual ImageNet recipes.  The ops
-live in ``ops``, the kernels they call in ``functional``.
+live in ``ops``, the kernels they call in ``functional``.  ``RandomErasing``,
+``TrivialAugmentWide`` and ``RandAugment`` (``augment``, kernels in
+``adjust``) draw per sample, as torchvision's do per image.
+
+A transform may take ``(images, labels)`` and return both (``labels``):
+torchvision's ``MixUp`` and ``CutMix`` as they are, any callable wrapped in
+``WithLabels``.  ``make_loader`` runs it on each batch and its labels, last in
+a ``Compose`` after ``Normalize``; ``apply_with_labels`` does so by hand.
 """
 
+from .augment import RandAugment, RandomErasing, TrivialAugmentWide
 from .functional import UINT8_TO_UNIT, gathered_crops, resized_crops
+from .labels import WithLabels, takes_labels
 from .ops import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -30,6 +39,7 @@ from .ops import (
     Size,
     ToFloat,
     apply_transform,
+    apply_with_labels,
     is_batch_transform,
     per_sample,
 )
@@ -45,17 +55,23 @@ __all__ = [
     "Compose",
     "CropFlipNormalize",
     "Normalize",
+    "RandAugment",
     "RandomCrop",
+    "RandomErasing",
     "RandomHorizontalFlip",
     "RandomResizedCrop",
     "Resize",
     "Size",
     "ToFloat",
+    "TrivialAugmentWide",
+    "WithLabels",
     "apply_transform",
+    "apply_with_labels",
     "gathered_crops",
     "is_batch_transform",
     "per_sample",
     "resized_crops",
+    "takes_labels",
     "train",
     "val",
 ]

@@ -243,7 +243,10 @@ def crop_flip_to_float(
     uint8 intermediate batches (fresh memory every time).  Measured for
     ``train(224)`` on a [256,3,256,256] channels-last batch, one thread, into a
     reused output: crop ~34 ms, flip ~9-12 ms and Normalize ~15 ms as separate
-    passes (~60 ms in all), ~43-46 ms fused.  The arithmetic is that of
+    passes (~60 ms in all), ~43-46 ms fused.  The result is contiguous NCHW
+    whatever the input's layout (what models and DDP expect): each sample is
+    turned from the batch's layout as it is copied, while in cache, instead of
+    in another pass over the batch.  The arithmetic is that of
     ``crop_and_resize``, ``flip_samples`` and ``normalize``/``to_float`` (cast,
     then ``scale_and_shift``), so the result is bit-identical to theirs.  The
     scale and shift are shaped as ``normalize_scale_shift`` gives them, for the
@@ -251,13 +254,10 @@ def crop_flip_to_float(
     """
     b, c = batch.shape[:2]
     h, w = size
-    channels_last = memory_format_of(batch) == torch.channels_last
-    out, rows = float_output((b, c, h, w), dtype, batch.device, channels_last, allocate)
+    out, rows = float_output((b, c, h, w), dtype, batch.device, False, allocate)
     mirrored = flips.tolist() if flips is not None else [False] * b
-    width_dim = 1 if channels_last else 2  # W within one sample's [H,W,C] or [C,H,W] view
     for i, (top, left, height, width) in enumerate(zip(*(t.tolist() for t in boxes))):
         sample = resize(batch[i : i + 1, :, top : top + height, left : left + width], h, w, antialias)[0]
-        sample = sample.permute(1, 2, 0) if channels_last else sample
-        out[i].copy_(sample.flip(width_dim) if mirrored[i] else sample)
+        out[i].copy_(sample.flip(2) if mirrored[i] else sample)  # the sample's layout turned while in cache
         scale_and_shift(rows[i], scale, shift)
-    return out.permute(0, 3, 1, 2) if channels_last else out
+    return out

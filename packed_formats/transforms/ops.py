@@ -19,8 +19,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..memory import Allocate, memory_format_of
+from ..memory import Allocate
 from . import functional as F
+from .labels import check_images_only, mix, takes_labels
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -99,7 +100,10 @@ def apply_transform(
 ) -> torch.Tensor:
     """``transform`` on a batch: a batch transform gets the whole batch (and ``generator`` and
     ``allocate`` where its ``forward`` takes them); any other callable gets one image at a time
-    (its randomness then per image, at the cost of a Python call per image)."""
+    (its randomness then per image, at the cost of a Python call per image).
+
+    Raises TypeError for a transform that takes labels too (MixUp, CutMix): see ``apply_with_labels``."""
+    check_images_only(transform)
     if not isinstance(transform, BatchTransform):
         if getattr(transform, "is_batch_transform", False) is True:
             return transform(batch)
@@ -109,8 +113,27 @@ def apply_transform(
     return transform(batch, generator=generator, allocate=allocate)
 
 
+def apply_with_labels(
+    transform: Callable, images: torch.Tensor, labels: torch.Tensor, generator: Optional[torch.Generator] = None,
+    allocate: Optional[Allocate] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``transform`` on a batch and its labels: ``(images, labels)`` after it.
+
+    A transform that takes labels (``labels.takes_labels``: MixUp, CutMix,
+    ``WithLabels``) gets both; a ``Compose`` holding one passes both along its
+    steps; any other transform gets the images as in ``apply_transform``, the
+    labels staying as they are.
+    """
+    if isinstance(transform, Compose) and transform.takes_labels:
+        return transform.with_labels(images, labels, generator, allocate)
+    if takes_labels(transform):
+        return mix(transform, images, labels, generator)
+    return apply_transform(transform, images, generator, allocate), labels
+
+
 def per_sample(transform: Callable, batch: torch.Tensor) -> torch.Tensor:
     """``transform`` applied to each [C,H,W] image of ``batch``, the results stacked into a batch."""
+    check_images_only(transform)
     outputs = []
     for image in batch:
         try:
@@ -148,6 +171,9 @@ class Compose(BatchTransform):
     """Apply transforms in order; batch transforms share one generator.
 
     ``allocate`` goes to the last transform, the one that makes the result.
+    Transforms that take labels too (MixUp, CutMix: ``labels.takes_labels``)
+    may be among them, after the ones that make float images; the Compose then
+    takes labels itself, and runs through ``with_labels`` (``apply_with_labels``).
     """
 
     def __init__(self, transforms: Sequence[Callable], generator: Optional[torch.Generator] = None) -> None:
@@ -165,6 +191,22 @@ class Compose(BatchTransform):
         for i, t in enumerate(self.transforms):
             batch = apply_transform(t, batch, generator, allocate if i == last else None)
         return batch
+
+    @property
+    def takes_labels(self) -> bool:
+        """Whether one of the transforms takes ``(images, labels)``."""
+        return any(takes_labels(t) for t in self.transforms)
+
+    def with_labels(
+        self, images: torch.Tensor, labels: torch.Tensor, generator: Optional[torch.Generator] = None,
+        allocate: Optional[Allocate] = None,
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The transforms in order on ``images`` and ``labels``; those that take no labels get the images."""
+        generator = self._rng(generator)
+        last = len(self.transforms) - 1
+        for i, t in enumerate(self.transforms):
+            images, labels = apply_with_labels(t, images, labels, generator, allocate if i == last else None)
+        return images, labels
 
     def __repr__(self) -> str:
         inner = ", ".join(repr(t) for t in self.transforms)
@@ -376,7 +418,8 @@ class CropFlipNormalize(Compose):
     on other batches (float, GPU): it draws their parameters from their
     generators in the same order and does their arithmetic, but resizes,
     flips, casts and normalises each sample while it is in cache, with no
-    intermediate batches (see ``functional.crop_flip_to_float``).
+    intermediate batches (see ``functional.crop_flip_to_float``).  Its result
+    is contiguous NCHW, whatever the input's layout.
 
     Args:
         crop: the crop (its size, scale, ratio, antialias and generator are used).
@@ -412,10 +455,9 @@ class CropFlipNormalize(Compose):
         boxes = crop.get_params(b, height, width, generator=crop._rng(generator))
         flips = flip.get_params(b, flip._rng(generator)) if flip is not None else None
         scale: F.Scale
-        if isinstance(normalize, Normalize):
-            channels_last = memory_format_of(batch) == torch.channels_last
+        if isinstance(normalize, Normalize):  # shaped for the result's contiguous NCHW rows
             scale, shift = F.normalize_scale_shift(
-                normalize.mean, normalize.std, normalize.dtype, batch.dtype, crop.size[1], channels_last, batch.device
+                normalize.mean, normalize.std, normalize.dtype, batch.dtype, crop.size[1], False, batch.device
             )
         else:
             scale, shift = F.UINT8_TO_UNIT, None
