@@ -149,6 +149,7 @@ def make_train_loader(path: str, args: argparse.Namespace, device: torch.device)
         drop_last=True,
         seed=0,
         size=(args.size + args.size // 4,) * 2 if encoded else None,
+        memory_format=torch.channels_last,  # the model below is channels-last too
     )
 
 
