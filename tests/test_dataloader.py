@@ -56,6 +56,7 @@ CONFIGS = [pytest.param(None, 0, False, id="main-process")] + [
 def test_every_sample_once_per_epoch_exact_and_read_by_its_own_handle(archives, kind, method, workers, persistent):
     """The core safety test: the reader is touched in the main process first
     (so a handle is open when workers start), then two epochs are loaded."""
+    gc.collect()  # a dataset an earlier test dropped in a reference cycle may still hold this archive's handle
     dataset = pf.PackedDataset(archives[kind], output="tensor")
     expected = expected_crcs(dataset)
     dataset[0]
@@ -123,6 +124,7 @@ def test_the_own_handle_check_catches_a_child_reading_through_its_parents_hdf5_f
 
 
 def test_creating_a_dataset_leaves_nothing_open(archives, kind):
+    gc.collect()  # as above: only this test's own handles are counted
     before = set(handles.open_handles())
     dataset = pf.PackedDataset(archives[kind])
     assert set(handles.open_handles()) == before

@@ -357,6 +357,8 @@ def test_a_worker_killed_mid_epoch_fails_the_loader_in_seconds(sharded, loader):
     report = run_child(KILL, sharded("lmdb"), loader, timeout=60)
     assert report["error"] is not None, "the epoch ended as if nothing had happened"
     kind, message = report["error"]
-    expected_kind = "DataLoaderWorkerError" if loader == "make_loader" else "RuntimeError"
-    assert kind == expected_kind and ("SIGKILL" in message or "exited unexpectedly" in message)
+    if loader == "make_loader":
+        assert kind == "DataLoaderWorkerError" and ("SIGKILL" in message or "exited unexpectedly" in message)
+    else:  # torch's own: its watchdog's RuntimeError, or the reset queue when that is seen first
+        assert kind in ("RuntimeError", "ConnectionResetError"), (kind, message)
     assert report["seconds"] < 30
