@@ -20,9 +20,12 @@ format's memory never pollutes another's.  The columns:
   a fresh process (opening, worker start-up and their imports included), for
   ``dataset`` (a plain torch DataLoader over PackedDataset) and ``make_loader``,
   with W workers, per start method.
-- worker MiB: private memory (Private_Clean + Private_Dirty of
-  /proc/PID/smaps_rollup) of the most expensive DataLoader worker after a few
-  batches, same loaders and start methods: what each extra worker costs.
+- worker MiB: private memory (Private_Dirty of /proc/PID/smaps_rollup: the
+  pages that are this process's own copy) of the most expensive DataLoader
+  worker after a few batches, same loaders and start methods: what each extra
+  worker costs.  Pages of a mapped index that only one worker has read count
+  as Private_Clean, not here: they are the page cache's, shared by every
+  process that maps the file, not a copy.
 - fds main/worker: the peak number of open file descriptors (/proc/PID/fd) of
   the measuring process and of its busiest worker, sampled after every batch
   of a full shuffled epoch through ``make_loader`` (first start method).  With
@@ -206,12 +209,12 @@ def reset_peak() -> bool:
 
 
 def private_bytes(pid: int) -> Optional[int]:
-    """Private_Clean + Private_Dirty of a process (smaps_rollup), or None if unreadable."""
+    """Private_Dirty of a process (smaps_rollup): its own copies, not file pages only it has read; None if unreadable."""
     total = 0
     try:
         with open(f"/proc/{pid}/smaps_rollup") as file:
             for line in file:
-                if line.startswith(("Private_Clean:", "Private_Dirty:")):
+                if line.startswith("Private_Dirty:"):
                     total += int(line.split()[1]) * 1024
     except OSError:
         return None
