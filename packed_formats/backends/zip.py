@@ -64,7 +64,6 @@ INDEX_DIR = "index/"
 EXTENSIONS = ("raw", "jpg", "png", "bin")  # a sample member's extension, by the code the writer keeps
 ARRAY_ALIGNMENT = 64  # index arrays' data starts at a multiple of this: mapped, they are aligned
 _CENTRAL_CHUNK = 1 << 14  # central directory entries built at a time
-_NPY_HEADER_MAX = 16384  # bytes read to parse an index member's .npy header
 _LOCAL_HEADER_MAX = LOCAL_HEADER.size + 2 * 0xFFFF  # with the longest name and extra fields
 
 
@@ -388,19 +387,12 @@ def _map_arrays(fd: int, places: Dict[str, Place]) -> Dict[str, np.ndarray]:
 
 def _npy_layout(fd: int, array: str, place: Place) -> index_map.ArrayAt:
     """Where an index member's array data lies, from its .npy header."""
-    head = io.BytesIO(_pread(fd, min(place.size, _NPY_HEADER_MAX), place.data))
-    try:
-        version = np.lib.format.read_magic(head)
-        if version == (1, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_1_0(head)
-        elif version == (2, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_2_0(head)
-        else:
-            raise ValueError(f".npy version {version} is not one this reader maps")
-    except (ValueError, TypeError, SyntaxError) as exc:
-        raise LayoutError(f"the index member {array}.npy is damaged ({exc})") from None
-    at = index_map.ArrayAt(place.data + head.tell(), dtype, tuple(shape))
-    if dtype.hasobject or (fortran and len(shape) > 1) or head.tell() + at.nbytes != place.size:
+    layout = index_map.npy_layout(lambda n: _pread(fd, min(place.size, n), place.data))
+    if layout is None:
+        raise LayoutError(f"the index member {array}.npy is damaged (not a plain .npy header)")
+    header_size, dtype, shape = layout
+    at = index_map.ArrayAt(place.data + header_size, dtype, shape)
+    if header_size + at.nbytes != place.size:
         raise LayoutError(f"the index member {array}.npy is damaged (its header does not describe its data)")
     return at
 

@@ -209,7 +209,8 @@ def reset_peak() -> bool:
 
 
 def private_bytes(pid: int) -> Optional[int]:
-    """Private_Dirty of a process (smaps_rollup): its own copies, not file pages only it has read; None if unreadable."""
+    """Private_Dirty of a process (smaps_rollup): its own copies, not file pages only it has read.
+    None if unreadable."""
     total = 0
     try:
         with open(f"/proc/{pid}/smaps_rollup") as file:

@@ -110,6 +110,19 @@ class _AutoAugment(BatchTransform):
         negate = (torch.rand(ops.shape, generator=generator) <= 0.5) & signed[ops]
         return torch.where(negate, -magnitudes, magnitudes)
 
+    def get_params(self, batch_size: int, height: int, width: int,
+                   generator: Optional[torch.Generator] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(ops, magnitudes) for a batch: each subclass draws its own way."""
+        raise NotImplementedError
+
+    def forward(
+        self, batch: torch.Tensor, generator: Optional[torch.Generator] = None, allocate: Optional[Allocate] = None
+    ) -> torch.Tensor:
+        _check_images(batch)
+        b, _, height, width = batch.shape
+        ops, magnitudes = self.get_params(b, height, width, self._rng(generator))
+        return self.apply_ops(batch, ops, magnitudes, allocate)
+
     def apply_ops(self, batch: torch.Tensor, ops: torch.Tensor, magnitudes: torch.Tensor,
                   allocate: Optional[Allocate] = None) -> torch.Tensor:
         """``batch`` with op ``ops[r, b]`` (an index into ``op_names``) of magnitude ``magnitudes[r, b]``
@@ -196,14 +209,6 @@ class TrivialAugmentWide(_AutoAugment):
         bins = torch.randint(self.num_magnitude_bins, (batch_size,), generator=generator)
         return ops, self._signed(table[ops, bins], ops, signed, generator)
 
-    def forward(
-        self, batch: torch.Tensor, generator: Optional[torch.Generator] = None, allocate: Optional[Allocate] = None
-    ) -> torch.Tensor:
-        _check_images(batch)
-        b, _, height, width = batch.shape
-        ops, magnitudes = self.get_params(b, height, width, self._rng(generator))
-        return self.apply_ops(batch, ops, magnitudes, allocate)
-
 
 class RandAugment(_AutoAugment):
     """RandAugment, per sample: ``num_ops`` ops in turn, each drawn uniformly, all of bin ``magnitude``.
@@ -228,14 +233,6 @@ class RandAugment(_AutoAugment):
         table, signed = self.magnitude_table(height, width)
         ops = torch.randint(len(self.op_names), (self.num_ops, batch_size), generator=generator)
         return ops, self._signed(table[ops, self.magnitude], ops, signed, generator)
-
-    def forward(
-        self, batch: torch.Tensor, generator: Optional[torch.Generator] = None, allocate: Optional[Allocate] = None
-    ) -> torch.Tensor:
-        _check_images(batch)
-        b, _, height, width = batch.shape
-        ops, magnitudes = self.get_params(b, height, width, self._rng(generator))
-        return self.apply_ops(batch, ops, magnitudes, allocate)
 
     def _settings(self) -> str:
         return f"num_ops={self.num_ops}, magnitude={self.magnitude}, {super()._settings()}"
