@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import gc
-
 import dataclasses
+import gc
 import multiprocessing
 import os
 import random
