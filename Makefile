@@ -1,6 +1,6 @@
 # make demo       - pack a generated image folder into every format and compare them
 # make test       - lint, type check, then run the whole test suite (what CI runs)
-# make test-fast  - the quick tier: every test not marked slow (about two minutes)
+# make test-fast  - the quick tier: every test not marked slow (about four minutes)
 # make lint       - ruff only;  make typecheck - mypy only
 # Each creates .venv on first use and installs the project with pinned torch builds.
 
