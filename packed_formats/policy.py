@@ -123,8 +123,7 @@ def _decode_natively(
 
 
 def _resized(pixels: np.ndarray, size: Tuple[int, int], resize_mode: str) -> np.ndarray:
-    """HxWxC uint8 resized by torch's antialiased bilinear kernel (native.resize)."""
-    check_choice("resize mode", resize_mode, RESIZE_MODES)
+    """HxWxC uint8 resized by torch's antialiased bilinear kernel (native.resize, which checks the mode)."""
     with warnings.catch_warnings():  # Pillow's arrays are read-only; the resize only reads them
         warnings.simplefilter("ignore", UserWarning)
         image = torch.from_numpy(pixels).permute(2, 0, 1)

@@ -141,6 +141,11 @@ class Backend(abc.ABC, Generic[H]):
         """Every file the archive consists of."""
         return [self.path]
 
+    def data_file_identity(self) -> Optional[Identity]:
+        """The identity ``data_file()`` has now (None: no such file, or it cannot be stat'ed)."""
+        data_file = self.data_file()
+        return None if data_file is None else file_identity(data_file)
+
     def sample_location(self, i: int) -> Optional[Tuple[str, int]]:
         """(file, byte offset) where sample i's stored bytes start, when the format knows it."""
         return None
@@ -224,8 +229,7 @@ class Reader:
             raise FormatMismatchError(
                 self.path, f"manifest says format {self.backend.manifest.format!r}, expected {backend.format_name!r}"
             )
-        data_file = self.backend.data_file()
-        self.backend.identity = None if data_file is None else file_identity(data_file)
+        self.backend.identity = self.backend.data_file_identity()
         self._check_index_consistent()
         self._check_index_checksums()
         self._claim = SharedHandle(
@@ -290,11 +294,7 @@ class Reader:
                     hint="open it again by its current path",
                 )
             if now != identity:
-                raise ArchiveChangedError(
-                    self.path,
-                    "the archive was replaced or modified after it was opened",
-                    hint="re-create the dataset; never rewrite an archive that is being read",
-                )
+                raise replaced_error(self.path)
         with named_failures(self.path, "cannot open the archive"):
             return self.backend.open()
 
@@ -486,14 +486,18 @@ class _MappedBackend:
         (the sending process checked the index; a changed file would not be the one it checked)."""
         with named_failures(self.path, "cannot read the archive's metadata"):
             backend = self.backend.load(self.path)
-        data_file = backend.data_file()
-        backend.identity = None if data_file is None else file_identity(data_file)
+        backend.identity = backend.data_file_identity()
         if backend.identity != self.identity:
-            raise ArchiveChangedError(
-                self.path, "the archive was replaced or modified after it was opened",
-                hint="re-create the dataset; never rewrite an archive that is being read",
-            )
+            raise replaced_error(self.path)
         return backend
+
+
+def replaced_error(path: str) -> ArchiveChangedError:
+    """The archive at ``path`` is no longer the file a reader opened."""
+    return ArchiveChangedError(
+        path, "the archive was replaced or modified after it was opened",
+        hint="re-create the dataset; never rewrite an archive that is being read",
+    )
 
 
 @contextlib.contextmanager
