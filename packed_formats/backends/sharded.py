@@ -271,13 +271,18 @@ class ShardedBackend(Backend[ShardedHandle]):
     # ---- reading ----
     def locate(self, i: int) -> Tuple[Reader, int]:
         """The part holding sample i, and i's index in it."""
+        p, j = self._place(i)
+        return self.parts[p], j
+
+    def _place(self, i: int) -> Tuple[int, int]:
+        """(the number of the part holding sample i, i's index in it)."""
         p = int(np.searchsorted(self.starts, i, side="right")) - 1
-        return self.parts[p], i - int(self.starts[p])
+        return p, i - int(self.starts[p])
 
     def read(self, handle: ShardedHandle, i: int) -> bytes:
-        p = int(np.searchsorted(self.starts, i, side="right")) - 1
+        p, j = self._place(i)
         with self._part(p) as part:
-            return part.read_bytes(i - int(self.starts[p]))
+            return part.read_bytes(j)
 
     def read_batch(self, handle: ShardedHandle, idx: np.ndarray, out: np.ndarray) -> None:
         owner = np.searchsorted(self.starts, idx, side="right") - 1
