@@ -68,11 +68,7 @@ class HDF5Handle(Handle):
     def check_size(self) -> None:
         """FileTruncatedError when the file became shorter than when it was opened: its mapped
         index (and images) may lie in what was cut off, and touching that is SIGBUS."""
-        size = os.fstat(self.file.id.get_vfd_handle()).st_size
-        if size < self.needed:
-            raise mapped.FileTruncatedError(
-                f"the file was truncated to {size} bytes while mapped ({self.needed} bytes)"
-            )
+        mapped.check_file_size(self.file.id.get_vfd_handle(), self.needed)
 
     def mapped_rows(
         self, path: str, identity: Optional[Identity], positions: Optional[np.ndarray]

@@ -39,7 +39,7 @@ from ..index import SampleIndex, from_npy_bytes, npy_bytes
 from ..manifest import ArchiveManifest
 from . import index_map, lmdb_pages
 from .base import Backend, FormatSpec, Handle, Writer, file_identity, handle_key
-from .mapped import FileTruncatedError
+from .mapped import check_file_size
 
 MANIFEST_KEY = b"__manifest__"
 _INDEX_PREFIX = b"__index__/"
@@ -130,9 +130,7 @@ class LMDBHandle(Handle):
         self.fd = os.open(data_file, os.O_RDONLY)
 
     def check_size(self) -> None:
-        size = os.fstat(self.fd).st_size
-        if size < self.needed:
-            raise FileTruncatedError(f"the file was truncated to {size} bytes while mapped ({self.needed} bytes)")
+        check_file_size(self.fd, self.needed)
 
     def close(self) -> None:
         os.close(self.fd)

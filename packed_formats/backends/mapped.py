@@ -33,6 +33,14 @@ class FileTruncatedError(OSError):
     """The mapped file became shorter than the samples mapped from it."""
 
 
+def check_file_size(fd: int, needed: int) -> None:
+    """FileTruncatedError when the open file ``fd`` is shorter than the ``needed`` bytes a map of it
+    covers (reading a page past its end would end the process with SIGBUS)."""
+    size = os.fstat(fd).st_size
+    if size < needed:
+        raise FileTruncatedError(f"the file was truncated to {size} bytes while mapped ({needed} bytes)")
+
+
 def gather(rows: torch.Tensor, idx: np.ndarray, out: np.ndarray) -> None:
     """out[j] = rows[idx[j]] with one ``index_select`` (``out`` C-contiguous, shaped like rows[idx])."""
     target = torch.from_numpy(out).view((len(idx),) + tuple(rows.shape[1:]))

@@ -224,9 +224,7 @@ class ZipHandle(Handle):
 
     def check_size(self) -> None:
         """FileTruncatedError when the file shrank since it was opened (its mapped index would SIGBUS)."""
-        size = os.fstat(self.fd).st_size
-        if size < self.size:
-            raise mapped.FileTruncatedError(f"the file was truncated to {size} bytes while open ({self.size} bytes)")
+        mapped.check_file_size(self.fd, self.size)
 
     def close(self) -> None:
         if isinstance(self.rows, mapped.MappedRows):
