@@ -18,7 +18,7 @@ decode either reads it or raises ``DecodeError``.  Without ``simplejpeg``
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import numpy as np
 import torch
@@ -32,31 +32,25 @@ except ImportError:  # pragma: no cover - a dependency wherever wheels exist
 _NATIVE_COLORSPACES = ("YCbCr", "Gray")
 
 
-def jpeg_dimensions(data: bytes) -> Optional[Tuple[int, int]]:
-    """(width, height) from a JPEG's header, or None (no native decoder, or no readable header)."""
-    if simplejpeg is None:
-        return None
-    try:
-        height, width, _, _ = simplejpeg.decode_jpeg_header(data)
-    except (ValueError, RuntimeError, OSError):
-        return None
-    return width, height
-
-
-def decode_jpeg(data: bytes, min_size: Optional[Tuple[int, int]] = None) -> Optional[np.ndarray]:
+def decode_jpeg(
+    data: bytes, min_size: Optional[Callable[[Tuple[int, int]], Tuple[int, int]]] = None
+) -> Optional[np.ndarray]:
     """A JPEG as HxWx3 uint8 RGB, or None when the native decoder should not or cannot decode it
     (the caller then asks Pillow, which decodes it or says why not).
 
-    ``min_size`` (width, height): decode at the smallest DCT scale still at least that large.
+    ``min_size`` gets the stored (width, height), read from the header once, and gives the
+    (width, height) to decode at least: the smallest DCT scale still that large is used.
     """
     if simplejpeg is None:
         return None
     try:
-        _, _, colorspace, _ = simplejpeg.decode_jpeg_header(data)
+        height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
         if colorspace not in _NATIVE_COLORSPACES:
             return None
-        width, height = min_size or (0, 0)
-        return simplejpeg.decode_jpeg(data, colorspace="RGB", min_width=width, min_height=height, strict=True)
+        least_width, least_height = (0, 0) if min_size is None else min_size((width, height))
+        return simplejpeg.decode_jpeg(
+            data, colorspace="RGB", min_width=least_width, min_height=least_height, strict=True
+        )
     except (ValueError, RuntimeError, OSError):
         return None
 

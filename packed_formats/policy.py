@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import NamedTuple, Optional, Tuple, Union
+from typing import Callable, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -109,17 +109,16 @@ def _decode_natively(
     refuses or leaves to Pillow (see native.py)."""
     if codecs.sniff(data) != "jpeg":
         return None
-    scaled = None
-    if size is not None:
-        stored = native.jpeg_dimensions(data)
-        if stored is None:
-            return None
-        scaled = dct_scaled(stored, decode_size(stored, size, resize_mode, 1.0))
-    rgb = native.decode_jpeg(data, scaled)
+    rgb = native.decode_jpeg(data, None if size is None else _dct_size_for(size, resize_mode))
     if rgb is None:
         return None
     pixels = native.to_grey(rgb) if channels == 1 else rgb
     return pixels if size is None else _resized(pixels, size, resize_mode)
+
+
+def _dct_size_for(size: Tuple[int, int], resize_mode: str) -> Callable[[Tuple[int, int]], Tuple[int, int]]:
+    """The (width, height) to decode a JPEG of a given stored size at, for a resize to ``size``."""
+    return lambda stored: dct_scaled(stored, decode_size(stored, size, resize_mode, 1.0))
 
 
 def _resized(pixels: np.ndarray, size: Tuple[int, int], resize_mode: str) -> np.ndarray:
