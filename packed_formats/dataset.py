@@ -114,16 +114,12 @@ class PackedDataset(torch.utils.data.Dataset):
         """One view of each kind per process, made on first use.  Not one per access: a loop over
         ``dataset.targets[i]`` in a forked worker would otherwise make millions of objects the
         garbage collector tracks, and its full collections write to every object the worker
-        inherited, copying the parent's heap page by page.  Never pickled (the reader is)."""
-        views = self.__dict__.setdefault("_views", {})
-        if name not in views:
-            views[name] = kind(self.reader.index)
-        return views[name]
-
-    def __getstate__(self) -> Dict[str, Any]:
-        state = self.__dict__.copy()
-        state.pop("_views", None)  # they hold the index itself: the receiving process makes its own
-        return state
+        inherited, copying the parent's heap page by page.  Kept in this process's cache, never
+        pickled: a view holds the index itself, and the receiving process makes its own."""
+        cache = self._cache.get()
+        if name not in cache:
+            cache[name] = kind(self.reader.index)
+        return cache[name]
 
     @property
     def imgs(self) -> "SampleList":
