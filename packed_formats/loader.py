@@ -27,7 +27,17 @@ from .dataset import PackedDataset
 from .device import CudaPrefetcher, copy_then_transform, resolve_device
 from .errors import DataLoaderWorkerError
 from .memory import SlotPool
-from .policy import ON_ERROR, VERIFY_POLICIES, Skipped, SkippedSampleWarning, VerifyPolicy, check_on_error, check_verify
+from .policy import (
+    ON_ERROR,
+    RESIZE_MODES,
+    VERIFY_POLICIES,
+    Skipped,
+    SkippedSampleWarning,
+    VerifyPolicy,
+    check_choice,
+    check_on_error,
+    check_verify,
+)
 from .resume import STATE_VERSION, archive_identity, check_state, position_from_state, position_state
 from .sampling import (
     BatchPlan,
@@ -327,6 +337,7 @@ def make_loader(
     world_size: Optional[int] = None,
     *,
     size: Optional[Union[int, Tuple[int, int]]] = None,
+    resize_mode: str = "stretch",
     on_error: str = "raise",
     verify: VerifyPolicy = "once",
     format: Optional[str] = None,
@@ -357,10 +368,14 @@ def make_loader(
             (both or neither; like DistributedSampler's ``rank`` and ``num_replicas``).
         seed: base seed of shuffling and of the transforms' randomness.
         prefetch: batches copied to a CUDA device ahead of use.
-        size: (height, width) every encoded image is resized to at decode (bilinear, aspect
-            ratio not kept; JPEGs are first decoded at a reduced DCT scale when that is still
-            at least ``size``, which is much cheaper); needed when an encoded archive's images
-            differ in size.  Raw archives keep their stored shape (use a transform).
+        size: (height, width) every encoded image is resized to at decode (bilinear with
+            antialiasing; JPEGs are first decoded at a reduced DCT scale when that still
+            covers what the resize keeps, which is much cheaper); needed when an encoded
+            archive's images differ in size.  Raw archives keep their stored shape (use a
+            transform).
+        resize_mode: "stretch" (the default: the aspect ratio is not kept) or
+            "shorter-side-center-crop" (scaled until the shorter side fits, then the centre
+            cut out: what ``packed-formats convert --resize-mode`` does for raw archives).
         on_error: "raise" (default) or "skip": drop samples that fail their checksum or
             decode from their batch, with a SkippedSampleWarning naming them.
         verify: CRC32-check each sample the first time a process reads it ("once", the
@@ -388,6 +403,7 @@ def make_loader(
     """
     check_on_error(on_error)
     check_verify(verify)
+    check_choice("resize_mode", resize_mode, RESIZE_MODES)
     if memory_format not in MEMORY_FORMATS:
         raise ValueError(f"memory_format must be torch.contiguous_format or torch.channels_last, got {memory_format}")
     if num_workers < 0:
@@ -404,7 +420,7 @@ def make_loader(
     on_cpu = device.type == "cpu"
     sampler = BatchSampler(len(reader), batch_size, shuffle, drop_last, seed, rank, world)
     batch_reader = BatchReader(
-        reader, size=decode_size, transform=transform if on_cpu else None, on_error=on_error,
+        reader, size=decode_size, resize_mode=resize_mode, transform=transform if on_cpu else None, on_error=on_error,
         seed=seed, rank=rank, pin=device.type == "cuda" and num_workers == 0,
         pool=SlotPool(num_workers) if num_workers > 0 else None,
         memory_format=memory_format if on_cpu else None,  # another device converts the batch there, cheaply

@@ -38,6 +38,7 @@ class BatchReader(torch.utils.data.Dataset):
     Args:
         reader: the archive, opened with the loader's verify policy.
         size: (height, width) encoded images are resized to at decode.
+        resize_mode: how they are resized ("stretch" or "shorter-side-center-crop").
         transform: batch transform run on the read batch (None: none).
         on_error: "raise" at a bad sample, or "skip" it (reported with the batch).
         seed, rank: where each batch's random generator comes from (``sampling.batch_seed``).
@@ -54,6 +55,7 @@ class BatchReader(torch.utils.data.Dataset):
         reader: Reader,
         *,
         size: Optional[Tuple[int, int]] = None,
+        resize_mode: str = "stretch",
         transform: Optional[Callable] = None,
         on_error: str = "raise",
         seed: int = 0,
@@ -63,6 +65,7 @@ class BatchReader(torch.utils.data.Dataset):
         memory_format: Optional[torch.memory_format] = None,
     ) -> None:
         self.reader, self.size, self.transform, self.memory_format = reader, size, transform, memory_format
+        self.resize_mode = resize_mode
         self.on_error, self.seed, self.rank, self.pin, self.pool = on_error, seed, rank, pin, pool
         shape = reader.manifest.shape
         self.channels = 3 if shape is None else shape[2]
@@ -221,7 +224,7 @@ class BatchReader(torch.utils.data.Dataset):
     def _decode(self, blob: bytes, i: int) -> np.ndarray:
         """Encoded bytes -> HxWxC uint8, resized to ``size`` if given; CorruptSampleError if they do not decode."""
         try:
-            return policy.decode(blob, self.channels, self.size)
+            return policy.decode(blob, self.channels, self.size, self.resize_mode)
         except codecs.DecodeError as exc:
             raise self.reader.sample_error(i, str(exc)) from None
 

@@ -150,6 +150,29 @@ def test_size_resizes_encoded_images_at_decode(archives, fmt):
     assert shapes == {(3, 20, 12)}
 
 
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_resize_mode_crops_the_centre_instead_of_stretching(archives, num_workers):
+    """Each image comes out as the decoder's centre crop (checked against Pillow in test_native_decode)."""
+    from packed_formats import policy
+
+    path = archives[("zip", "encoded")]
+    loader = pf.make_loader(path, batch_size=8, num_workers=num_workers, size=(20, 12), shuffle=False,
+                            resize_mode="shorter-side-center-crop", return_index=True)
+    stretched = pf.make_loader(path, batch_size=8, num_workers=0, size=(20, 12), shuffle=False)
+    with pf.open_archive(path) as reader:
+        for (images, _, indices), (plain, _) in zip(loader, stretched):
+            for image, i in zip(images, indices.tolist()):
+                data = reader.read(i)
+                expected = policy.decode(data, 3, (20, 12), "shorter-side-center-crop")
+                assert torch.equal(image, torch.from_numpy(expected).permute(2, 0, 1)), i
+            assert not torch.equal(images, plain)  # the mixed sizes are not all 20:12
+
+
+def test_an_unknown_resize_mode_is_refused_by_make_loader(archives):
+    with pytest.raises(ValueError, match="resize_mode"):
+        pf.make_loader(archives[("zip", "encoded")], size=16, resize_mode="squash")
+
+
 def test_size_is_refused_for_raw_archives(uniform_archives):
     with pytest.raises(ValueError, match="raw archive"):
         pf.make_loader(uniform_archives[("memmap", "raw")], size=8)
