@@ -8,7 +8,7 @@ in an ImageFolder tree.  The same seed gives the same files.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -73,4 +73,55 @@ def make_image_folder(
             image = draw_image(kind if kind in CLASSES else CLASSES[hash(kind) % len(CLASSES)], (w, h), rng)
             options: Dict[str, Any] = {"quality": quality} if encoding == "jpeg" else {}
             image.save(os.path.join(directory, f"{kind}_{n:05d}.{extension}"), **options)
+    return root
+
+
+def sample_photographs() -> List[str]:
+    """Paths of real photographs shipped inside installed packages (matplotlib's sample data: a
+    public-domain portrait), or an empty list where none is installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        return []
+    folder = os.path.join(os.path.dirname(matplotlib.__file__), "mpl-data", "sample_data")
+    return [path for path in [os.path.join(folder, "grace_hopper.jpg")] if os.path.isfile(path)]
+
+
+def make_photo_folder(
+    root: "str | os.PathLike[str]",
+    images_per_class: int = 50,
+    classes: Sequence[str] = ("a", "b", "c", "d"),
+    sizes: Tuple[int, int] = (200, 480),
+    seed: int = 0,
+    quality: int = 90,
+) -> str:
+    """Write an ImageFolder tree of photographic JPEGs; return root.
+
+    Drawn shapes compress and decode unlike photographs (flat areas, sharp
+    edges, little texture).  These are crops of real photographs shipped with
+    an installed package (``sample_photographs``): a random region, only ever
+    scaled down to a width and height drawn from ``sizes``, flipped at random,
+    re-encoded at ``quality``: the textures, noise and chroma of a camera
+    image.  Classes are arbitrary (the crops are not about anything).
+    Raises RuntimeError when no sample photograph is installed (matplotlib).
+    """
+    photos = [Image.open(path).convert("RGB") for path in sample_photographs()]
+    if not photos:
+        raise RuntimeError("no sample photographs installed: pip install matplotlib")
+    root = os.fspath(root)
+    rng = np.random.default_rng(seed)
+    for kind in classes:
+        directory = os.path.join(root, kind)
+        os.makedirs(directory, exist_ok=True)
+        for n in range(images_per_class):
+            photo = photos[int(rng.integers(len(photos)))]
+            w, h = (int(x) for x in rng.integers(sizes[0], sizes[1] + 1, size=2))
+            grow = rng.uniform(1.0, min(photo.width / w, photo.height / h)) if photo.width >= w and photo.height >= h \
+                else min(photo.width / w, photo.height / h)
+            crop_w, crop_h = max(1, int(w * grow)), max(1, int(h * grow))
+            left, top = int(rng.integers(0, photo.width - crop_w + 1)), int(rng.integers(0, photo.height - crop_h + 1))
+            image = photo.crop((left, top, left + crop_w, top + crop_h)).resize((w, h), Image.Resampling.BILINEAR)
+            if rng.random() < 0.5:
+                image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+            image.save(os.path.join(directory, f"{kind}_{n:05d}.jpg"), quality=quality)
     return root

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -326,3 +327,20 @@ def test_the_memory_sampler_waits_longer_the_more_a_sample_costs():
     assert sampler.pause() * sampler.MAX_SHARE >= 0.06 * (1 - sampler.MAX_SHARE) - 1e-9
     sampler.sample()
     assert sampler.last_cost > 0
+
+
+def test_photo_folders_are_crops_of_real_photographs_deterministic_per_seed(tmp_path):
+    """Benchmark data with real camera texture: sizes in range, only scaled down, same seed same bytes."""
+    from packed_formats.synthetic import make_photo_folder, sample_photographs
+
+    assert sample_photographs(), "matplotlib (a test dependency) ships the sample photograph"
+    a = make_photo_folder(tmp_path / "a", images_per_class=3, classes=("x", "y"), sizes=(120, 300), seed=5)
+    b = make_photo_folder(tmp_path / "b", images_per_class=3, classes=("x", "y"), sizes=(120, 300), seed=5)
+    files = sorted(p.relative_to(a) for p in Path(a).rglob("*.jpg"))
+    assert len(files) == 6 and [p.parts[0] for p in files] == ["x"] * 3 + ["y"] * 3
+    for name in files:
+        assert (Path(a) / name).read_bytes() == (Path(b) / name).read_bytes()
+        with Image.open(Path(a) / name) as image:
+            assert image.format == "JPEG" and all(120 <= side <= 300 for side in image.size)
+            pixels = np.asarray(image.convert("L"), dtype=np.float64)
+        assert np.abs(np.diff(pixels, axis=1)).mean() > 1.0  # texture, not a flat synthetic fill
