@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Generic, Hashable, Optional, Tuple, TypeVar
@@ -58,11 +59,10 @@ _table = _Table()
 
 
 def _worker_id() -> Optional[int]:
-    try:
-        from torch.utils.data import get_worker_info
-    except ImportError:  # pragma: no cover - torch is a dependency
-        return None
-    info = get_worker_info()
+    """The DataLoader worker id of this process, if it is one (which has imported torch.utils.data:
+    a process that has not is no worker, and opening an archive in it never imports torch)."""
+    data = sys.modules.get("torch.utils.data")
+    info = None if data is None else data.get_worker_info()
     return None if info is None else info.id
 
 

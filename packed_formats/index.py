@@ -10,9 +10,10 @@ from __future__ import annotations
 import dataclasses
 import io
 import mmap
-from typing import Dict, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
+import numpy.typing as npt
 
 
 @dataclasses.dataclass
@@ -110,59 +111,163 @@ def from_npy_bytes(data: bytes) -> np.ndarray:
     return np.load(io.BytesIO(data), allow_pickle=False)
 
 
-class IndexBuilder:
-    """Grows the index while a writer appends samples (amortised numpy growth)."""
+def npy_header(dtype: "npt.DTypeLike", shape: Tuple[int, ...]) -> bytes:
+    """The .npy (version 1.0) header of a C-ordered array, padded as numpy pads it (data 64-byte aligned)."""
+    header = io.BytesIO()
+    fields = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": shape}
+    np.lib.format.write_array_header_1_0(header, fields)
+    return header.getvalue()
 
-    def __init__(self) -> None:
-        self._columns: Dict[str, np.ndarray] = {
-            "labels": np.empty(1024, dtype=np.int64),
-            "crc32": np.empty(1024, dtype=np.uint32),
-            "sizes": np.empty(1024, dtype=np.int64),
-            "positions": np.empty(1024, dtype=np.int64),
-        }
-        self._key_bytes = bytearray()  # every key's UTF-8 bytes, one after the other
-        self._key_ends = np.empty(1024, dtype=np.int64)  # never a str object per sample
+
+def npy_array(dtype: "npt.DTypeLike", rows: int) -> np.ndarray:
+    """An uninitialised 1-D array that lies right after its own .npy header in one buffer, so that
+    ``npy_record`` gives the .npy bytes of it without a copy (the builder's index arrays are these)."""
+    dtype = np.dtype(dtype)
+    header = npy_header(dtype, (rows,))
+    buffer = np.empty(len(header) + rows * dtype.itemsize, dtype=np.uint8)
+    buffer[: len(header)] = np.frombuffer(header, dtype=np.uint8)
+    return buffer[len(header) :].view(dtype)
+
+
+def npy_record(array: np.ndarray) -> "bytes | memoryview":
+    """The .npy bytes of ``array``: the buffer it lies in when ``npy_array`` made it, else a copy (``npy_bytes``)."""
+    base = array.base
+    if isinstance(base, np.ndarray) and base.dtype == np.uint8 and base.ndim == 1 and array.ndim == 1:
+        header = npy_header(array.dtype, array.shape)
+        start = array.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+        if start == len(header) and base.nbytes == start + array.nbytes and base[:start].tobytes() == header:
+            return base.data
+    return npy_bytes(array)
+
+
+BLOCK_ROWS = 1 << 16  # rows per block of a growing column
+
+
+def anonymous_array(dtype: "npt.DTypeLike", rows: int) -> np.ndarray:
+    """An uninitialised array over a private anonymous map of its own: its pages cost memory once
+    written, and all of it goes back to the system the moment the array is dropped (a block from
+    the C allocator may stay in the heap, as part of the process, after it is freed)."""
+    dtype = np.dtype(dtype)
+    region = mmap.mmap(-1, max(1, rows * dtype.itemsize), flags=mmap.MAP_PRIVATE)
+    return np.frombuffer(region, dtype=dtype, count=rows)
+
+
+class Column:
+    """Values of one dtype kept in blocks of ``BLOCK_ROWS`` (``anonymous_array``): growing never
+    copies what is stored, and ``take`` makes the whole array once, releasing each block as it is
+    copied, so that the column and its array never both exist in full."""
+
+    def __init__(self, dtype: "npt.DTypeLike") -> None:
+        self.dtype = np.dtype(dtype)
+        self.blocks: List[np.ndarray] = []
         self.count = 0
 
-    def append(self, label: int, key: str, crc: int, size: int, position: int = -1) -> None:
-        if self.count == len(self._columns["labels"]):
-            for name, column in self._columns.items():
-                self._columns[name] = np.resize(column, 2 * self.count)
-            self._key_ends = np.resize(self._key_ends, 2 * self.count)
-        row = self.count
-        self._columns["labels"][row] = label
-        self._columns["crc32"][row] = crc
-        self._columns["sizes"][row] = size
-        self._columns["positions"][row] = position
-        self._key_bytes += key.encode("utf-8", "surrogateescape")
-        self._key_ends[row] = len(self._key_bytes)
+    def __len__(self) -> int:
+        return self.count
+
+    def new_block(self) -> np.ndarray:
+        """A new block at the end, to be filled from its first row (the caller counts the rows)."""
+        self.blocks.append(anonymous_array(self.dtype, BLOCK_ROWS))
+        return self.blocks[-1]
+
+    def append(self, value: object) -> None:
+        slot = self.count % BLOCK_ROWS
+        block = self.new_block() if slot == 0 else self.blocks[-1]
+        block[slot] = value
         self.count += 1
 
-    def build(self, offsets: bool = False, positions: bool = False) -> SampleIndex:
-        n = self.count
-        column = {name: values[:n].copy() for name, values in self._columns.items()}
-        offset_array = None
-        if offsets or positions:
-            offset_array = np.zeros(n + 1, dtype=np.int64)
-            np.cumsum(column["sizes"], out=offset_array[1:])
-        return SampleIndex(
-            labels=column["labels"],
-            keys=self._keys(),
-            crc32=column["crc32"],
-            offsets=offset_array,
-            positions=column["positions"] if positions else None,
-        )
+    def take(self, rows: Optional[int] = None) -> np.ndarray:
+        """The first ``rows`` values (all appended ones by default) as one array; the column is empty after."""
+        rows = self.count if rows is None else rows
+        out = npy_array(self.dtype, rows)
+        for at, part in _drain(self.blocks, rows):
+            out[at : at + len(part)] = part
+        self.count = 0
+        return out
 
-    def _keys(self, rows_per_step: int = 1 << 16) -> np.ndarray:
-        """The keys as a fixed-width bytes array, made from the flat buffer a slice of rows at a time."""
+
+def _drain(blocks: List[np.ndarray], rows: int) -> Iterator[Tuple[int, np.ndarray]]:
+    """(first row, rows) of each block in order, covering ``rows`` rows; each block leaves ``blocks``
+    as it is handed out, so that it is released once the caller has copied it."""
+    at = 0
+    blocks.reverse()  # popped from the end, in order
+    while blocks:
+        block = blocks.pop()
+        part = block[: max(0, min(len(block), rows - at))]
+        del block
+        yield at, part
+        at += len(part)
+    if at != rows:
+        raise ValueError(f"the column holds {at} rows, not {rows}")
+
+
+class IndexBuilder:
+    """Grows the index while a writer appends samples, in blocks (``Column``): never a copy to grow,
+    and never a Python object per sample (keys wait as bytes only until their block of rows is full).
+
+    ``offsets`` and ``positions`` say whether the index will store them (sizes are kept only for
+    the offsets).  ``build`` makes each array of the index once and releases the blocks as it goes:
+    at its peak the builder holds about one index's bytes, plus a block.  Each array lies after its
+    own .npy header (``npy_array``), so a writer that stores .npy bytes copies none of them.
+    """
+
+    def __init__(self, offsets: bool = False, positions: bool = False) -> None:
+        self.count = 0
+        self._labels, self._crc32 = Column(np.int64), Column(np.uint32)
+        self._sizes = Column(np.int64) if offsets else None
+        self._positions = Column(np.int64) if positions else None
+        self._numeric = [c for c in (self._labels, self._crc32, self._sizes, self._positions) if c is not None]
+        self._current: List[np.ndarray] = []  # the block being filled, per numeric column
+        self._slot = BLOCK_ROWS  # rows filled in the current blocks (none yet: the first append makes them)
+        self._key_blocks: List[np.ndarray] = []  # full blocks of keys, each fixed-width ('S') as wide as its longest
+        self._pending_keys: List[bytes] = []  # the keys of the current block of rows
+
+    def append(self, label: int, key: str, crc: int, size: int, position: int = -1) -> None:
+        slot = self._slot
+        if slot == BLOCK_ROWS:
+            self._next_blocks()
+            slot = 0
+        current = self._current
+        current[0][slot] = label
+        current[1][slot] = crc
+        if self._sizes is not None:
+            current[2][slot] = size
+        if self._positions is not None:
+            current[-1][slot] = position
+        self._pending_keys.append(key.encode("utf-8", "surrogateescape"))
+        self._slot = slot + 1
+        self.count += 1
+
+    def _next_blocks(self) -> None:
+        self._seal_keys()
+        self._current = [column.new_block() for column in self._numeric]
+
+    def _seal_keys(self) -> None:
+        """The pending keys as one more fixed-width block."""
+        if not self._pending_keys:
+            return
+        keys = np.array(self._pending_keys)  # 'S' as wide as the longest (at least 1), not a copy per key
+        self._pending_keys = []
+        block = anonymous_array(keys.dtype, len(keys))
+        block[...] = keys
+        self._key_blocks.append(block)
+
+    def build(self) -> SampleIndex:
+        """The index of every sample appended (once: the builder is empty after)."""
         n = self.count
-        ends = self._key_ends[:n]
-        starts = np.concatenate(([0], ends[:-1])) if n else ends
-        width = max(1, int((ends - starts).max())) if n else 1
-        keys = np.empty(n, dtype=f"S{width}")
-        with memoryview(self._key_bytes) as data:  # no copy of the whole buffer
-            for first in range(0, n, rows_per_step):
-                last = min(n, first + rows_per_step)
-                pairs = zip(starts[first:last].tolist(), ends[first:last].tolist())
-                keys[first:last] = [bytes(data[a:b]) for a, b in pairs]
-        return keys
+        self._seal_keys()
+        self._current = []  # the blocks are the columns' alone now, released as they are copied
+        labels, crc = self._labels.take(n), self._crc32.take(n)
+        offsets = None
+        if self._sizes is not None:
+            offsets = npy_array(np.int64, n + 1)
+            offsets[0] = 0
+            for at, sizes in _drain(self._sizes.blocks, n):
+                np.cumsum(sizes, out=offsets[at + 1 : at + 1 + len(sizes)])
+                offsets[at + 1 : at + 1 + len(sizes)] += offsets[at]
+        positions = None if self._positions is None else self._positions.take(n)
+        width = max([1] + [block.dtype.itemsize for block in self._key_blocks])
+        keys = npy_array(f"S{width}", n)
+        for at, part in _drain(self._key_blocks, n):
+            keys[at : at + len(part)] = part
+        return SampleIndex(labels=labels, keys=keys, crc32=crc, offsets=offsets, positions=positions)

@@ -1,6 +1,6 @@
 """The ZIP layout: written record by record, read from its tail in O(1), still a ZIP for every tool.
 
-Our ZIP writer writes the records itself and keeps numpy columns, not an
+Our ZIP writer writes the records itself and keeps the index in numpy blocks, not an
 object per member; the end record's comment locates the manifest and the
 index, which a reader maps instead of parsing the central directory.
 Archives of the earlier layout (written by ``zipfile``, no locator) still open.

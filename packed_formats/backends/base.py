@@ -602,7 +602,8 @@ class Writer(WriteTransaction):
         self.quality = quality
         self.overwrite = overwrite
         self._encodings_seen: set = set()
-        self._builder = IndexBuilder()
+        self._builder = IndexBuilder(offsets=mode == "encoded" or self.stores_positions,
+                                     positions=self.stores_positions)
         self._closed = False
         if os.path.lexists(self.path) and not overwrite:
             raise ArchiveExistsError(self.path, "already exists", hint="pass overwrite=True to replace it")
@@ -665,7 +666,7 @@ class Writer(WriteTransaction):
             return
         self._closed = True
         try:
-            index = self._builder.build(offsets=self.mode == "encoded", positions=self.stores_positions)
+            index = self._builder.build()
             positions = self.final_positions()
             if positions is not None:
                 index = dataclasses.replace(index, positions=np.asarray(positions, dtype=np.int64))
@@ -674,6 +675,7 @@ class Writer(WriteTransaction):
                 self.format_name, self.mode, len(index), self.classes, self.shape, self._manifest_encoding(), checksums
             )
             self.finish(index, manifest)
+            del index, positions  # the file holds the index now: the spot check maps it from there
             self._spot_check(manifest.count)
             publish(self.temp_path, self.path, overwrite=self.overwrite)
         except BaseException:

@@ -310,14 +310,14 @@ def _rows_agree(rows: mapped.MappedRows, data: h5py.Dataset, positions: np.ndarr
     """Whether the first, middle and last images read through HDF5 equal their mapped bytes: a
     cheap check that the positions are this file's (a file rewritten by another tool, or
     chunk addresses relative to a user block, would fail it); each sample's CRC32 checks the rest."""
-    if rows.flat is None:
+    if rows.data is None:
         return False
     image = np.empty(data.shape[1:], dtype=np.uint8)
     n = len(positions)
     for i in sorted({0, n // 2, n - 1}):
         data.read_direct(image, np.s_[i])
         start = int(positions[i])
-        if not np.array_equal(rows.flat[start : start + image.size].numpy(), image.ravel()):
+        if not np.array_equal(rows.data[start : start + image.size], image.ravel()):
             return False
     return True
 

@@ -35,7 +35,7 @@ from ..errors import (
     PackedFormatError,
     UnknownFormatError,
 )
-from ..index import SampleIndex, from_npy_bytes, npy_bytes
+from ..index import SampleIndex, from_npy_bytes, npy_record
 from ..manifest import ArchiveManifest
 from . import index_map, lmdb_pages
 from .base import Backend, FormatSpec, Handle, Writer, file_identity, handle_key
@@ -47,6 +47,7 @@ _COMPARED_BYTES = 4096  # of a mapped record, compared with lmdb's read at its s
 CONVERT_HINT = "convert it into one first: `packed-formats convert SRC DST`"
 _COMMIT_EVERY = 256
 _INITIAL_MAP_SIZE = 1 << 30
+_REMAP_BYTES = 16 << 20  # file growth after which the writer maps the file afresh (~1 ms; see _unmap_written_pages)
 
 
 def sample_key(i: int) -> bytes:
@@ -57,16 +58,32 @@ class LMDBWriter(Writer):
     format_name = "lmdb"
 
     def begin(self, temp_path: str) -> None:
-        self._env = lmdb.open(
-            temp_path, subdir=False, map_size=_INITIAL_MAP_SIZE, lock=False, sync=False, metasync=False, max_dbs=0
-        )
+        self._env = self._open(_INITIAL_MAP_SIZE)
         self._pending: list = []
+        self._mapped_from = 0  # the file's pages when the environment was opened
+
+    def _open(self, map_size: int) -> "lmdb.Environment":
+        return lmdb.open(
+            self.temp_path, subdir=False, map_size=map_size, lock=False, sync=False, metasync=False, max_dbs=0
+        )
+
+    def _unmap_written_pages(self) -> None:
+        """Open the environment again once the file has grown by ``_REMAP_BYTES``.  Every
+        transaction reads the pages it appends to through LMDB's map of the file, and the kernel
+        maps the neighbouring pages just written with each (fault-around): a map held open
+        for the whole write would keep about the whole file in this process's resident memory."""
+        info = self._env.info()
+        if (info["last_pgno"] - self._mapped_from) * self._env.stat()["psize"] >= _REMAP_BYTES:
+            self._env.close()
+            self._env = self._open(info["map_size"])
+            self._mapped_from = info["last_pgno"]
 
     def append(self, blob: bytes, i: int) -> int:
         self._pending.append((sample_key(i), blob))
         if len(self._pending) >= _COMMIT_EVERY:
             self._commit(self._pending)
             self._pending = []
+            self._unmap_written_pages()
         return -1
 
     def _commit(self, records: list) -> None:
@@ -83,7 +100,8 @@ class LMDBWriter(Writer):
 
     def finish(self, index: SampleIndex, manifest: ArchiveManifest) -> None:
         self._commit(self._pending)
-        self._commit([(_INDEX_PREFIX + name.encode(), npy_bytes(a)) for name, a in index.arrays().items()])
+        for name, array in index.arrays().items():  # one transaction each: LMDB copies one array at a time
+            self._commit([(_INDEX_PREFIX + name.encode(), npy_record(array))])  # no copy of ours (npy_array)
         self._commit([(MANIFEST_KEY, manifest.to_json().encode())])  # the seal, last transaction
         self._env.sync(True)
         self._env.close()

@@ -21,10 +21,12 @@ from __future__ import annotations
 import mmap
 import os
 import warnings
-from typing import Optional
+from typing import TYPE_CHECKING, Optional, Tuple
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 _CHUNK = 1 << 20  # positions checked per step: a bounded temporary whatever the archive's size
 
@@ -41,14 +43,18 @@ def check_file_size(fd: int, needed: int) -> None:
         raise FileTruncatedError(f"the file was truncated to {size} bytes while mapped ({needed} bytes)")
 
 
-def gather(rows: torch.Tensor, idx: np.ndarray, out: np.ndarray) -> None:
+def gather(rows: "torch.Tensor", idx: np.ndarray, out: np.ndarray) -> None:
     """out[j] = rows[idx[j]] with one ``index_select`` (``out`` C-contiguous, shaped like rows[idx])."""
+    import torch
+
     target = torch.from_numpy(out).view((len(idx),) + tuple(rows.shape[1:]))
     torch.index_select(rows, 0, torch.from_numpy(np.asarray(idx, dtype=np.int64)), out=target)
 
 
-def as_tensor(array: np.ndarray) -> torch.Tensor:
+def as_tensor(array: np.ndarray) -> "torch.Tensor":
     """A read-only mapped array as a tensor (torch warns that it is not writable; nothing writes to it)."""
+    import torch
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return torch.from_numpy(array)
@@ -74,22 +80,46 @@ class MappedRows:
 
     Evenly spaced rows are one strided view and a batch is one
     ``index_select``; otherwise a batch is one ``torch.cat`` of the samples'
-    slices (~5 ms for the 256-sample batch above).  The map is closed with the rows.
+    slices (~5 ms for the 256-sample batch above).  The tensors over the map
+    are made by the first gather, so that a process that only reads single
+    samples never imports torch.  The map is closed with the rows.
     """
 
     def __init__(self, map: mmap.mmap, nbytes: int, positions: Optional[np.ndarray] = None,
                  start: int = 0, count: int = 0) -> None:
         self.map = map
         self.size = len(map)  # bytes the map covers, which the file must keep
-        self.flat: Optional[torch.Tensor] = as_tensor(np.frombuffer(map, dtype=np.uint8))
+        self.data: Optional[np.ndarray] = np.frombuffer(map, dtype=np.uint8)  # the file's bytes, read-only
         self.nbytes = int(nbytes)
         self.positions = None if positions is None else np.asarray(positions, dtype=np.int64)
-        self.rows: Optional[torch.Tensor] = None
+        self.even: Optional[Tuple[int, int, int]] = None  # (count, step, start) of evenly spaced rows
         step: Optional[int] = self.nbytes
         if self.positions is not None:
             step, start, count = even_step(self.positions), int(self.positions[0]), len(self.positions)
         if step is not None and step >= nbytes:
-            self.rows = self.flat.as_strided((count, self.nbytes), (max(step, 1), 1), start)
+            self.even = (count, max(step, 1), start)
+        self._views: "Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]]" = None
+
+    @property
+    def flat(self) -> "Optional[torch.Tensor]":
+        """The whole map as a uint8 tensor (None once closed)."""
+        return None if self.data is None else self._tensors()[0]
+
+    @property
+    def rows(self) -> "Optional[torch.Tensor]":
+        """The evenly spaced rows as one strided [count, nbytes] tensor, else (or once closed) None."""
+        return None if self.data is None else self._tensors()[1]
+
+    def _tensors(self) -> "Tuple[torch.Tensor, Optional[torch.Tensor]]":
+        if self._views is None:
+            assert self.data is not None, "gather after close()"
+            flat = as_tensor(self.data)
+            rows = None
+            if self.even is not None:
+                count, step, start = self.even
+                rows = flat.as_strided((count, self.nbytes), (step, 1), start)
+            self._views = (flat, rows)
+        return self._views
 
     @classmethod
     def of(cls, fd: int, positions: np.ndarray, nbytes: int) -> Optional["MappedRows"]:
@@ -100,12 +130,15 @@ class MappedRows:
 
     def gather(self, idx: np.ndarray, out: np.ndarray) -> None:
         """out[j] = row idx[j] (``out`` C-contiguous); FileTruncatedError if the file shrank."""
+        import torch
+
         self.check_size()
-        if self.rows is not None:
-            gather(self.rows, idx, out)
+        flat, rows = self._tensors()
+        if rows is not None:
+            gather(rows, idx, out)
             return
-        assert self.flat is not None and self.positions is not None, "gather after close()"
-        n, flat = self.nbytes, self.flat
+        assert self.positions is not None
+        n = self.nbytes
         torch.cat([flat[p : p + n] for p in self.positions[idx].tolist()], out=torch.from_numpy(out).view(-1))
 
     def check_size(self) -> None:
@@ -115,7 +148,7 @@ class MappedRows:
             raise FileTruncatedError(f"the file was truncated to {size} bytes while mapped ({self.size} bytes)")
 
     def close(self) -> None:
-        self.rows = self.flat = None
+        self.data = self._views = None
         try:
             self.map.close()
         except BufferError:  # a view still lives somewhere; unmapped when it dies

@@ -1,9 +1,10 @@
 """ZIP: one STORED member per sample plus .npy index members and manifest.json.
 
 Readable by ``unzip``/``zipinfo``/``zipfile``.  The writer writes the ZIP
-records itself (``zip_records``): what it keeps per sample is four numpy
-columns, and the central directory is streamed out from them at the end, so
-writing takes bounded memory at any sample count.  The end record's comment
+records itself (``zip_records``): besides the index it keeps one byte per
+sample (its member's extension), and the central directory is streamed out
+from the index at the end, a chunk at a time, so writing holds no more than
+the index at any sample count.  The end record's comment
 is a locator naming where the manifest and each index array lie: opening
 reads the file's tail, the manifest, a few local headers to check them, and
 maps the index arrays (each aligned to 64 bytes) instead of reading them, so
@@ -35,7 +36,7 @@ import numpy as np
 from ..checksum import crc32
 from ..codecs import sniff
 from ..errors import ArchiveNotFoundError, CorruptArchiveError, IncompleteArchiveError, UnknownFormatError
-from ..index import SampleIndex, from_npy_bytes
+from ..index import Column, SampleIndex, from_npy_bytes
 from ..manifest import ArchiveManifest
 from . import index_map, mapped
 from .base import DAMAGED_HINT, Backend, FormatSpec, Handle, Writer
@@ -54,6 +55,7 @@ from .zip_records import (
     end_records,
     find_end,
     local_header,
+    local_header_size,
     padding,
     parse_local_header,
     with_zip64,
@@ -85,41 +87,29 @@ def sample_names(first: int, kinds: np.ndarray) -> np.ndarray:
     return rows.view(f"S{rows.shape[1]}").reshape(-1)
 
 
-class SampleMembers:
-    """What the central directory needs of each sample member, in numpy columns grown amortised
-    (never a Python object per member): CRC32, size, local header offset, extension code."""
+def sample_directory(index: SampleIndex, kinds: np.ndarray, limit: int) -> Iterator[np.ndarray]:
+    """The samples' central directory entries, a bounded chunk at a time, in order, made from the
+    index and each member's extension code (``kinds``)."""
+    crc = index.crc32
+    assert crc is not None, "the writer's index has checksums"
+    first, count = 0, len(index)
+    while first < count:
+        last = min(count, first + _CENTRAL_CHUNK, _next_power_of_ten(first))
+        names, size, offset = _members(index, kinds, first, last, limit)
+        yield from central_headers(names, crc[first:last], size, offset, limit)
+        first = last
 
-    def __init__(self) -> None:
-        self.count = 0
-        self._columns: Dict[str, np.ndarray] = {
-            "crc32": np.empty(1024, dtype=np.uint32),
-            "size": np.empty(1024, dtype=np.int64),
-            "offset": np.empty(1024, dtype=np.int64),
-            "kind": np.empty(1024, dtype=np.uint8),
-        }
 
-    def append(self, crc: int, size: int, offset: int, kind: int) -> None:
-        if self.count == len(self._columns["crc32"]):
-            for name, column in self._columns.items():
-                self._columns[name] = np.resize(column, 2 * self.count)
-        row, columns = self.count, self._columns
-        columns["crc32"][row], columns["size"][row], columns["offset"][row], columns["kind"][row] = (
-            crc, size, offset, kind)
-        self.count += 1
-
-    def offset(self, i: int) -> int:
-        return int(self._columns["offset"][i])
-
-    def central_directory(self, limit: int) -> Iterator[np.ndarray]:
-        """The samples' central directory entries, a bounded chunk at a time, in order."""
-        first = 0
-        while first < self.count:
-            last = min(self.count, first + _CENTRAL_CHUNK, _next_power_of_ten(first))
-            rows = slice(first, last)
-            names = sample_names(first, self._columns["kind"][rows])
-            c = self._columns
-            yield from central_headers(names, c["crc32"][rows], c["size"][rows], c["offset"][rows], limit)
-            first = last
+def _members(index: SampleIndex, kinds: np.ndarray, first: int, last: int, limit: int
+             ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Names, sizes and local header offsets of the sample members ``first:last`` (names of one
+    width), from the index's offsets and data positions: a local header starts its own size
+    before its member's data."""
+    offsets, positions = index.offsets, index.positions
+    assert offsets is not None and positions is not None, "the writer's index has them"
+    names = sample_names(first, kinds[first:last])
+    size = np.diff(offsets[first : last + 1])
+    return names, size, positions[first:last] - local_header_size(names.dtype.itemsize, size, limit)
 
 
 def _next_power_of_ten(i: int) -> int:
@@ -129,7 +119,8 @@ def _next_power_of_ten(i: int) -> int:
 
 class ZipWriter(Writer):
     """Writes the ZIP records itself: samples, then the index arrays and manifest.json, then the
-    central directory streamed from ``SampleMembers`` and the end record with its locator."""
+    central directory streamed from the index (``sample_directory``) and the end record with its
+    locator.  Besides the index, all it keeps per sample is one byte: its extension's code."""
 
     format_name = "zip"
     stores_positions = True
@@ -138,17 +129,17 @@ class ZipWriter(Writer):
     def begin(self, temp_path: str) -> None:
         self._file: BinaryIO = open(temp_path, "wb", buffering=1 << 20)
         self._at = 0  # bytes written so far
-        self._samples = SampleMembers()
+        self._kinds = Column(np.uint8)  # each sample's EXTENSIONS code
         self._metadata: Dict[str, Tuple[Place, int]] = {}  # the index and manifest members: place, CRC32
 
     def append(self, blob: bytes, i: int) -> int:
-        if i != self._samples.count:
-            raise ValueError(f"sample {i} appended after {self._samples.count} samples: samples come in order")
+        if i != len(self._kinds):
+            raise ValueError(f"sample {i} appended after {len(self._kinds)} samples: samples come in order")
         kind = 0 if self.mode == "raw" else {"jpeg": 1, "png": 2}.get(sniff(blob) or "", 3)
         crc = crc32(blob)
         header = local_header(member_name(i, EXTENSIONS[kind]).encode(), len(blob), crc, limit=self.zip64_limit)
         offset = self._write(header, blob)
-        self._samples.append(crc, len(blob), offset, kind)
+        self._kinds.append(kind)
         return offset + len(header)
 
     def finish(self, index: SampleIndex, manifest: ArchiveManifest) -> None:
@@ -156,7 +147,7 @@ class ZipWriter(Writer):
             self._write_array(f"{INDEX_DIR}{name}.npy", array)
         text = manifest.to_json().encode()
         self._write_metadata(MANIFEST, [text], crc32(text), len(text))
-        self._write_central_directory()
+        self._write_central_directory(index)
         self._file.close()
 
     def discard(self) -> None:
@@ -174,7 +165,8 @@ class ZipWriter(Writer):
         return start
 
     def _write_array(self, name: str, array: np.ndarray) -> None:
-        """An index array as a .npy member whose array data starts at a multiple of ARRAY_ALIGNMENT."""
+        """An index array as a .npy member whose array data starts at a multiple of ARRAY_ALIGNMENT
+        (written from the array itself: no copy of it is made)."""
         array = np.ascontiguousarray(array)
         header = io.BytesIO()
         np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(array))
@@ -193,18 +185,21 @@ class ZipWriter(Writer):
         offset = self._write(header, *parts)
         self._metadata[name] = (Place(offset, offset + len(header), size), crc)
 
-    def _write_central_directory(self) -> None:
+    def _write_central_directory(self, index: SampleIndex) -> None:
         start = self._at
-        for entries in self._samples.central_directory(self.zip64_limit):
+        kinds = self._kinds.take()
+        for entries in sample_directory(index, kinds, self.zip64_limit):
             self._write(entries.view(np.uint8))
         for name, (place, crc) in self._metadata.items():
             fields = (np.array([name.encode()]), np.array([crc], np.uint32), np.array([place.size]),
                       np.array([place.header]))
             for entries in central_headers(*fields, limit=self.zip64_limit):
                 self._write(entries.view(np.uint8))
-        n = self._samples.count
+        n = len(index)
         places = {name: place for name, (place, _) in self._metadata.items()}
-        locator = Locator(places, (self._samples.offset(0), self._samples.offset(n - 1)) if n else ())
+        first_and_last = (0, n - 1) if n else ()  # their local headers, which readers check
+        edges = tuple(int(_members(index, kinds, i, i + 1, self.zip64_limit)[2][0]) for i in first_and_last)
+        locator = Locator(places, edges)
         count = n + len(self._metadata)
         self._write(end_records(count, start, self._at - start, locator.encode(), self.zip64_limit))
 

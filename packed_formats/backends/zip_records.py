@@ -106,6 +106,12 @@ def local_header(name: bytes, size: int, crc: int, extra: bytes = b"", limit: in
     ) + name + extra
 
 
+def local_header_size(name_length: int, size: np.ndarray, limit: int = ZIP64_LIMIT) -> np.ndarray:
+    """The bytes of the local headers ``local_header`` writes for members of ``size`` bytes with names of
+    ``name_length`` bytes and no other extra field (the ZIP64 one where the size needs it)."""
+    return LOCAL_HEADER.size + name_length + np.where(size >= limit, ZIP64_LOCAL_EXTRA.size, 0)
+
+
 def padding(start: int, alignment: int) -> bytes:
     """An extra field that moves ``start`` (where the extra fields would end without it) to a multiple of
     ``alignment``; empty when it is one already."""

@@ -289,8 +289,8 @@ def open_output(fmt: str, path: str, count: int, shape: Sequence[int], shards: O
 def probe_write(args: Dict[str, Any]) -> Dict[str, Any]:
     """Write ``count`` samples; the time and the writer's peak RSS."""
     count = args["count"]
+    reset = reset_peak()  # first: the peak is then at least every RSS after it, the baseline included
     baseline = status_bytes("VmRSS")
-    reset = reset_peak()
     started = time.perf_counter()
     with open_output(args["format"], args["path"], count, args["shape"], args["shards"]) as writer:
         for i, image in enumerate(synthetic_samples(count, args["shape"])):
@@ -306,8 +306,8 @@ def probe_open(args: Dict[str, Any]) -> Dict[str, Any]:
     """Open the archive and read one sample; the time, the memory it adds and the index's size."""
     from ..backends import open_archive
 
-    before = {field: status_bytes(field) for field in ("VmRSS", "RssAnon", "RssFile")}
     reset = reset_peak()
+    before = {field: status_bytes(field) for field in ("VmRSS", "RssAnon", "RssFile")}
     started = time.perf_counter()
     reader = open_archive(args["path"])
     opened = time.perf_counter()

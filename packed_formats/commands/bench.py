@@ -11,7 +11,7 @@ import os
 import tempfile
 from typing import Iterator, List
 
-from ..bench.loaders import LOADERS, PIPELINES
+from ..bench import LOADERS, PIPELINES
 from ..errors import DestinationError
 
 HELP = ("measure images/s of archives and ImageFolders at several worker counts, against limits and baselines; "
