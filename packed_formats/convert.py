@@ -25,7 +25,7 @@ import warnings
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import numpy as np
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from . import codecs
 from .backends import EXTENSIONS, PACKED_FORMATS, open_writer
@@ -226,26 +226,27 @@ def _run(source, dst, format, recipe, workers, shard_size, overwrite, on_error, 
 
 def _append_all(results: Iterator[Any], source: Source, output: Any, on_error: str, bar: Any) -> List[str]:
     failed: List[str] = []
+    alpha, first_alpha = 0, ""  # a count and one key: never a list as long as the dataset
     try:
-        alpha: List[str] = []
         for i, (ok, value, dropped_alpha) in enumerate(results):
             bar.update(1)
             if dropped_alpha:
-                alpha.append(source.key(i))
+                first_alpha = first_alpha if alpha else source.key(i)
+                alpha += 1
             if ok:
                 output.add(value, int(source.labels[i]), source.key(i))
             elif on_error == "raise":
                 raise value
-            else:
-                failed.append(str(value))
-                tqdm.write(f"skipped: {value}", file=sys.stderr)
+            else:  # skipped as asked: the error's advice (fix it, or skip it) is moot
+                failed.append(value.without_hint() if isinstance(value, PackedFormatError) else str(value))
+                tqdm.write(f"skipped: {failed[-1]}", file=sys.stderr)
     except WorkerDiedError as exc:
         raise ConversionFailedError(source.path, str(exc), hint="retry with fewer --workers") from None
     if alpha:
         warnings.warn(
             SourceWarning(
-                f"{source.path}: {len(alpha)} image(s) have a transparency (alpha) channel, dropped: the archive "
-                f"holds RGB (first: {alpha[0]!r}); --mode encoded without --size keeps each file as it is"
+                f"{source.path}: {alpha} image(s) have a transparency (alpha) channel, dropped: the archive "
+                f"holds RGB (first: {first_alpha!r}); --mode encoded without --size keeps each file as it is"
             ),
             stacklevel=3,
         )

@@ -41,6 +41,16 @@ class PackedFormatError(Exception):
         self.hint = hint
         super().__init__(self._message())
 
+    def without_hint(self) -> str:
+        """The message without its advice, for a report where the advice was already taken."""
+        if self.hint is None:
+            return str(self)
+        hint, self.hint = self.hint, None
+        try:
+            return self._message()
+        finally:
+            self.hint = hint
+
     def _message(self) -> str:
         where = self.path if self.path is not None else "<no path>"
         sample = ""

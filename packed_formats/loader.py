@@ -361,6 +361,10 @@ def make_loader(
             ``(images, labels)`` (torchvision's MixUp/CutMix, ``pf.transforms.WithLabels``),
             alone or last in a ``pf.transforms.Compose`` after ``Normalize``, gets each batch
             with its labels, which then come out as it returns them (soft float [B, classes]).
+            On an encoded archive with no ``size``, a transform that starts with a crop
+            (``RandomResizedCrop``, as ``pf.transforms.train`` does, or ``Resize`` + ``CenterCrop``,
+            as ``val`` does) makes it while decoding: drawn in each image's own size, from a
+            JPEG decoded at the least DCT scale that covers it, only the crop resized.
         distributed: split samples over torch.distributed ranks (None: when initialised);
             see ``shard_indices`` for the split and its padding.  The rank is taken when
             each epoch starts, so a loader built before ``init_process_group`` is split too.
@@ -371,8 +375,8 @@ def make_loader(
         size: (height, width) every encoded image is resized to at decode (bilinear with
             antialiasing; JPEGs are first decoded at a reduced DCT scale when that still
             covers what the resize keeps, which is much cheaper); needed when an encoded
-            archive's images differ in size.  Raw archives keep their stored shape (use a
-            transform).
+            archive's images differ in size, unless the transform starts with a crop (above).
+            Raw archives keep their stored shape (use a transform).
         resize_mode: "stretch" (the default: the aspect ratio is not kept) or
             "shorter-side-center-crop" (scaled until the shorter side fits, then the centre
             cut out: what ``packed-formats convert --resize-mode`` does for raw archives).

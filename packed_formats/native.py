@@ -18,11 +18,12 @@ decode either reads it or raises ``DecodeError``.  Without ``simplejpeg``
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Optional, Tuple
 
 import numpy as np
-import torch
-import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    import torch
 
 try:
     import simplejpeg
@@ -75,10 +76,14 @@ def to_grey(rgb: np.ndarray) -> np.ndarray:
     return ((r * 19595 + g * 38470 + b * 7471 + 0x8000) >> 16).astype(np.uint8)[:, :, None]
 
 
-def resize(image: torch.Tensor, size: Tuple[int, int], resize_mode: str = "stretch") -> torch.Tensor:
+def resize(image: "torch.Tensor", size: Tuple[int, int], resize_mode: str = "stretch") -> "torch.Tensor":
     """CxHxW uint8 to (height, width), bilinear with antialiasing: stretched, or scaled so the shorter
     side fits and center-cropped ("shorter-side-center-crop").  A channels-last view of an HxWxC
-    array (``permute(2, 0, 1)``) is the fast kernel's own layout: no copy before it."""
+    array (``permute(2, 0, 1)``) is the fast kernel's own layout: no copy before it.  torch is
+    imported here, where readers resize, not by the decode and the converter's decode check."""
+    import torch
+    import torch.nn.functional as F
+
     height, width = size
     h, w = image.shape[-2:]
     if resize_mode == "shorter-side-center-crop":
@@ -90,5 +95,19 @@ def resize(image: torch.Tensor, size: Tuple[int, int], resize_mode: str = "stret
         raise ValueError(f"resize mode must be 'stretch' or 'shorter-side-center-crop', got {resize_mode!r}")
     if tuple(image.shape[-2:]) == (height, width):
         return image
-    batch = image.unsqueeze(0).contiguous(memory_format=torch.channels_last)  # the fast uint8 kernel's layout
+    # the fast uint8 kernel's layout, with the batch stride of a real NHWC tensor: given unsqueeze(0)'s
+    # stride of 3 there, interpolate returns NCHW, and every later HxWxC copy of the image is strided
+    batch = image.permute(1, 2, 0).unsqueeze(0).permute(0, 3, 1, 2).contiguous(memory_format=torch.channels_last)
     return F.interpolate(batch, size=(height, width), mode="bilinear", antialias=True, align_corners=False)[0]
+
+
+def jpeg_size(data: bytes) -> Optional[Tuple[int, int]]:
+    """A JPEG's stored (width, height) from its header, or None where the native decoder would not
+    decode it (no native decoder, an unreadable header, CMYK/YCCK: Pillow's then)."""
+    if simplejpeg is None:
+        return None
+    try:
+        height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
+    except (ValueError, RuntimeError, OSError):
+        return None
+    return (width, height) if colorspace in _NATIVE_COLORSPACES else None

@@ -10,12 +10,12 @@
 
 from __future__ import annotations
 
+import io
 import math
 import warnings
 from typing import Callable, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
-import torch
 from PIL import Image
 
 from . import codecs, native
@@ -122,7 +122,10 @@ def _dct_size_for(size: Tuple[int, int], resize_mode: str) -> Callable[[Tuple[in
 
 
 def _resized(pixels: np.ndarray, size: Tuple[int, int], resize_mode: str) -> np.ndarray:
-    """HxWxC uint8 resized by torch's antialiased bilinear kernel (native.resize, which checks the mode)."""
+    """HxWxC uint8 resized by torch's antialiased bilinear kernel (native.resize, which checks the mode);
+    torch loads here, on the reading side, never for a writer or the converter (Pillow's filter)."""
+    import torch
+
     with warnings.catch_warnings():  # Pillow's arrays are read-only; the resize only reads them
         warnings.simplefilter("ignore", UserWarning)
         image = torch.from_numpy(pixels).permute(2, 0, 1)
@@ -173,3 +176,47 @@ def decode_size(source: Tuple[int, int], size: Tuple[int, int], resize_mode: str
         return math.ceil(width * gap), math.ceil(height * gap)
     scale = max(width / w, height / h) * gap
     return math.ceil(w * scale), math.ceil(h * scale)
+
+
+# ---- crop at decode ----------------------------------------------------------------------------------
+def image_size(data: bytes) -> Tuple[int, int]:
+    """Encoded bytes' stored (width, height), from the header alone; codecs.DecodeError if unreadable."""
+    if codecs.sniff(data) == "jpeg":
+        size = native.jpeg_size(data)
+        if size is not None:
+            return size
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return image.size
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+        raise codecs.DecodeError(f"cannot read the image header: {exc}") from None
+
+
+def decode_crop(data: bytes, channels: int, box: Tuple[int, int, int, int], size: Tuple[int, int]) -> np.ndarray:
+    """The ``box`` (top, left, height, width, in the stored image's pixels) of an encoded image,
+    resized to ``size`` (height, width): HxWxC uint8.
+
+    A JPEG is decoded at the smallest DCT scale whose pixels still cover the box at ``size``
+    (natively, else by Pillow's draft) and only the box is resized, by torch's antialiased
+    bilinear kernel.
+    Corrupt or truncated data raises codecs.DecodeError, as ``decode`` does.
+    """
+    top, left, height, width = box
+
+    def least(stored: Tuple[int, int]) -> Tuple[int, int]:
+        factor = min(1.0, max(size[1] / width, size[0] / height))  # decoded pixels per stored pixel needed
+        return dct_scaled(stored, (math.ceil(stored[0] * factor), math.ceil(stored[1] * factor)))
+
+    stored = image_size(data)
+    pixels = native.decode_jpeg(data, least) if codecs.sniff(data) == "jpeg" else None
+    if pixels is None:
+        image = codecs.to_8bit(codecs.open_image(data, draft=lambda s: ("RGB", least(s))))
+        pixels = codecs.pil_to_array(image if image.mode == "RGB" else image.convert("RGB"), 3)
+    scale_y, scale_x = pixels.shape[0] / stored[1], pixels.shape[1] / stored[0]
+    y0, x0 = round(top * scale_y), round(left * scale_x)  # the box's edges at the decoded scale
+    y1 = max(y0 + 1, min(pixels.shape[0], round((top + height) * scale_y)))
+    x1 = max(x0 + 1, min(pixels.shape[1], round((left + width) * scale_x)))
+    cropped = np.ascontiguousarray(pixels[y0:y1, x0:x1])  # numpy copies rows fast; torch's strided copy does not
+    if channels == 1:
+        cropped = native.to_grey(cropped)
+    return _resized(cropped, size, "stretch")

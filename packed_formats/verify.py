@@ -6,7 +6,7 @@ import dataclasses
 import os
 from typing import List, Optional
 
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from . import codecs
 from .backends import open_archive
@@ -46,7 +46,7 @@ class VerifyReport:
         what = "checksums" if self.checksums else "reads (no checksums stored)"
         if self.decoded:
             what += " and decoding"
-        verdict = "OK" if self.ok else f"FAILED: {self.bad_count} bad samples"
+        verdict = "OK" if self.ok else f"FAILED: {self.bad_count} bad sample{'' if self.bad_count == 1 else 's'}"
         out.append(f"{self.path}: {self.checked} samples, {what} checked: {verdict}")
         return out
 

@@ -27,6 +27,7 @@ from .memory import SentBatch, SlotPool
 from .policy import Skipped
 from .sampling import BatchPlan, batch_seed, seed_globals
 from .transforms import apply_with_labels
+from .transforms.at_decode import CropAtDecode, split_at_decode
 
 Item = Tuple[SentBatch, torch.Tensor, Tuple[Skipped, ...], torch.Tensor]  # (images, labels, left out, indices)
 Bad = List[Tuple[int, Skipped]]  # (position in the batch, what was wrong), for on_error="skip"
@@ -67,6 +68,8 @@ class BatchReader(torch.utils.data.Dataset):
         self.reader, self.size, self.transform, self.memory_format = reader, size, transform, memory_format
         self.resize_mode = resize_mode
         self.on_error, self.seed, self.rank, self.pin, self.pool = on_error, seed, rank, pin, pool
+        # an encoded archive with no decode size does the transform's first crop while decoding
+        self.at_decode = split_at_decode(transform) if reader.mode != "raw" and size is None else None
         shape = reader.manifest.shape
         self.channels = 3 if shape is None else shape[2]
         self._buffers = ProcessLocal(memory.ReusedBuffers)  # this process's read buffers
@@ -85,8 +88,14 @@ class BatchReader(torch.utils.data.Dataset):
 
     def _batch(self, plan: BatchPlan) -> Tuple[torch.Tensor, torch.Tensor, Tuple[Skipped, ...], torch.Tensor]:
         idx = self.reader.check_indices(plan.indices)
+        seed = batch_seed(self.seed, plan.epoch, self.rank, plan.number)
+        generator = torch.Generator().manual_seed(seed)  # the batch's randomness, crops at decode first
+        transform = self.transform
         if self.reader.mode == "raw":
             images, skipped = self._read_raw(idx)
+        elif self.at_decode is not None:
+            crop, transform = self.at_decode
+            images, skipped = self._read_encoded(idx, crop, generator)
         else:
             images, skipped = self._read_encoded(idx)
         keep = np.setdiff1d(np.arange(len(idx)), [s[0] for s in skipped]) if skipped else None
@@ -95,17 +104,15 @@ class BatchReader(torch.utils.data.Dataset):
             images = images[torch.from_numpy(keep)]
             idx = idx[keep]
         labels = torch.from_numpy(np.ascontiguousarray(self.reader.labels[idx]))
-        if self.transform is not None:
-            images, labels = self._transform(self.transform, images, labels, plan)
+        if transform is not None:
+            images, labels = self._transform(transform, images, labels, seed, generator)
         images = self._in_layout(images)
         return images, labels, tuple(s[1] for s in skipped), torch.from_numpy(np.array(idx, dtype=np.int64))
 
-    def _transform(self, transform: Callable, images: torch.Tensor, labels: torch.Tensor,
-                   plan: BatchPlan) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _transform(self, transform: Callable, images: torch.Tensor, labels: torch.Tensor, seed: int,
+                   generator: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
         """``transform`` on the batch (and its labels, for MixUp/CutMix), its randomness from the batch's
-        seed, its result in reused memory."""
-        seed = batch_seed(self.seed, plan.epoch, self.rank, plan.number)
-        generator = torch.Generator().manual_seed(seed)
+        seed and generator, its result in reused memory."""
         if torch.utils.data.get_worker_info() is not None:  # workers run one torch thread already
             seed_globals(seed ^ 0x5EED)
             return apply_with_labels(transform, images, labels, generator, self._result_memory(images))
@@ -183,14 +190,22 @@ class BatchReader(torch.utils.data.Dataset):
         return shape
 
     # ---- encoded ----
-    def _read_encoded(self, idx: np.ndarray) -> Tuple[torch.Tensor, Bad]:
-        blobs, skipped = self._encoded_blobs(idx)
+    def _read_encoded(
+        self, idx: np.ndarray, crop: Optional[CropAtDecode] = None, generator: Optional[torch.Generator] = None
+    ) -> Tuple[torch.Tensor, Bad]:
+        """Decode the batch: each image whole (resized to ``size`` if given), or only ``crop``'s box of it."""
+        found, skipped = self._encoded_blobs(idx)
+        blobs = list(found)
+        boxes = None if crop is None else self._crop_boxes(crop, idx, blobs, skipped, generator)
         buffer = None
         for j, (i, blob) in enumerate(zip(idx.tolist(), blobs)):
             if blob is None:
                 continue
             try:
-                pixels = self._decode(blob, i)
+                if boxes is None:
+                    pixels = self._decode(blob, i)
+                else:
+                    pixels = self._decode_crop(blob, i, boxes[j], cast(CropAtDecode, crop).size)
             except CorruptSampleError as exc:
                 if self.on_error == "raise":
                     raise
@@ -221,6 +236,34 @@ class BatchReader(torch.utils.data.Dataset):
                 skipped.append((j, self._skipped(exc, i)))
         return blobs, skipped
 
+    def _crop_boxes(self, crop: CropAtDecode, idx: np.ndarray, blobs: List[Optional[bytes]], skipped: Bad,
+                    generator: Optional[torch.Generator]) -> np.ndarray:
+        """Each image's crop box, drawn in its stored size (read from its header); an image whose
+        header does not read is skipped or raises here, as a failed decode would."""
+        sizes = np.ones((len(idx), 2), dtype=np.int64)  # (height, width); 1x1 for the samples left out
+        for j, (i, blob) in enumerate(zip(idx.tolist(), blobs)):
+            if blob is None:
+                continue
+            try:
+                width, height = policy.image_size(blob)
+            except codecs.DecodeError as exc:
+                error = self.reader.sample_error(i, str(exc))
+                if self.on_error == "raise":
+                    raise error from None
+                blobs[j] = None
+                skipped.append((j, self._skipped(error, i)))
+                continue
+            sizes[j] = height, width
+        return crop.boxes(sizes[:, 0].copy(), sizes[:, 1].copy(), generator)
+
+    def _decode_crop(self, blob: bytes, i: int, box: np.ndarray, size: Tuple[int, int]) -> np.ndarray:
+        """One image's crop box, decoded at the least scale that covers it and resized to ``size``."""
+        try:
+            top, left, height, width = (int(v) for v in box)
+            return policy.decode_crop(blob, self.channels, (top, left, height, width), size)
+        except codecs.DecodeError as exc:
+            raise self.reader.sample_error(i, str(exc)) from None
+
     def _decode(self, blob: bytes, i: int) -> np.ndarray:
         """Encoded bytes -> HxWxC uint8, resized to ``size`` if given; CorruptSampleError if they do not decode."""
         try:
@@ -236,7 +279,8 @@ class BatchReader(torch.utils.data.Dataset):
                 f"image is {h}x{w}, other images of the batch are {buffer.shape[1]}x{buffer.shape[2]}",
                 index=i,
                 key=self.reader.key(i),
-                hint="images of different sizes need make_loader(..., size=(height, width))",
+                hint="images of different sizes need make_loader(..., size=(height, width)) or a transform "
+                "that starts with a crop (pf.transforms.train or val)",
             )
         buffer.numpy()[j] = pixels
 

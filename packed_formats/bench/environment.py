@@ -123,3 +123,14 @@ def describe_environment(device: str = "cpu") -> Dict[str, object]:
         "device": device,
         "gpu": gpu(device),
     }
+
+
+def machine_line(device: str = "cpu") -> str:
+    """One line naming what a measurement ran on, printed next to ratios so a reader can weigh them."""
+    import torch
+
+    cpus = cpu_count()
+    usable = f"{cpus['usable']} of {cpus['logical']}" if cpus["usable"] != cpus["logical"] else f"{cpus['logical']}"
+    where = "no GPU" if not device.startswith("cuda") else str((gpu(device) or {}).get("name", device))
+    return (f"measured on {usable} CPUs ({platform.system()} {platform.machine()}), Python "
+            f"{platform.python_version()}, torch {torch.__version__.split('+')[0]}, {where}")

@@ -15,8 +15,8 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
 
-PIPELINES = ("none", "val", "train")
-LOADERS = ("auto", "make_loader", "dataset")
+from . import LOADERS, PIPELINES  # noqa: F401 - the choices, named here too
+
 MEAN = [0.485, 0.456, 0.406]
 STD = [0.229, 0.224, 0.225]
 
@@ -106,7 +106,8 @@ def make_loader_loader(path: str, mode: str, pipeline: str, size: int, batch_siz
     """``pf.make_loader`` with ``pf.transforms.val/train(size)`` (whole-batch uint8 work, crop before float);
     untransformed batches in channels-last layout (the archive's own; see below).
 
-    Encoded archives are decoded to ``decode_size`` x ``decode_size`` so that a batch has one shape.
+    Encoded archives are decoded to ``decode_size`` x ``decode_size`` so that a batch has one shape,
+    except where the CPU transform crops while decoding (train and val on the CPU).
     On CUDA, batches are pinned and copied on a side stream, and transformed on the GPU.
     """
     found = fast_path()
@@ -116,8 +117,8 @@ def make_loader_loader(path: str, mode: str, pipeline: str, size: int, batch_siz
     transform = batch_transform(transforms, pipeline, size)
     options = dict(batch_size=batch_size, shuffle=shuffle, num_workers=workers, device=device,
                    transform=transform, drop_last=False, seed=seed)
-    if mode == "encoded" and decode_size:
-        options["size"] = decode_size
+    if mode == "encoded" and decode_size and (pipeline == "none" or device != "cpu"):
+        options["size"] = decode_size  # on the CPU, train and val crop at decode: no resize to one size first
     if pipeline == "none" and accepts(make_loader, "memory_format"):
         # untransformed batches as read, [B,H,W,C] in memory, like the copy-bound limit's gather:
         # the default contiguous NCHW would add a transpose on the host (on a GPU it is done there)

@@ -17,6 +17,8 @@ GOALS = (
     ("raw memmap, train vs torchvision ImageFolder", ("memmap", "raw", "train"), "vs_imagefolder", 10.0),
     ("raw zip/hdf5/lmdb vs raw memmap", ("*", "raw", "*"), "vs_raw_memmap", 0.5),
     ("encoded vs bare decode", ("*", "encoded", "none"), "vs_limit", 0.85),
+    ("encoded, train vs bare decode", ("*", "encoded", "train"), "vs_limit", 0.8),
+    ("encoded, train vs torchvision ImageFolder", ("*", "encoded", "train"), "vs_imagefolder", 3.0),
 )
 
 COLD = "cold (page cache evicted before each epoch)"
@@ -35,8 +37,10 @@ def _limit_for(row: Dict[str, Any], target: Dict[str, Any], refs: List[Dict[str,
     if row["mode"] == "raw":
         key = f"copy:{'x'.join(map(str, target['shape']))}:{target['count']}"
         processes = 1
-    else:
+    else:  # train/val on the CPU crop at decode: compared with the decode alone where it was measured
         key, processes = target.get("decode_key"), max(1, row["workers"])
+        if row["pipeline"] != "none" and target.get("decode_only_key"):
+            key = target["decode_only_key"]
     for ref in refs:
         if ref.get("key") == key and ref["processes"] == processes:
             return ref
@@ -151,8 +155,9 @@ def format_table(results: Dict[str, Any]) -> str:
     lines += _grid([_run_cells(r) for r in results["runs"]], HEADER)
     lines += ["", "reference points (same run):"]
     for ref in results["references"]:
+        to = f"to {ref['decode_size']}px" if ref.get("decode_size") else "alone (the limit of crops at decode)"
         what = (f"copy-bound limit, gather {'x'.join(map(str, ref['shape']))} batches in memory"
-                if ref["name"] == "copy-bound" else f"bare decode of {ref.get('source')} to {ref['decode_size']}px")
+                if ref["name"] == "copy-bound" else f"bare decode of {ref.get('source')} {to}")
         lines.append(f"  {what}, {ref['processes']} process(es): {ref['images_per_s']:,.0f} img/s")
     lines += ["", "archives:"]
     for t in results["targets"]:

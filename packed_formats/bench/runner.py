@@ -152,7 +152,7 @@ def measure_one(target: Dict[str, Any], loader: str, pipeline: str, workers: int
 def measure_references(targets: List[Dict[str, Any]], config: BenchConfig, log: Callable[[str], None]) -> List[Dict]:
     """Copy-bound limits (one per raw shape) and bare decode rates (per encoded content and process count)."""
     out: List[Dict[str, Any]] = []
-    seen: Set[Tuple[Any, ...]] = set()  # ("copy", shape, count) and (decode fingerprint, processes)
+    seen: Set[Tuple[Any, ...]] = set()  # ("copy", shape, count) and (decode fingerprint, processes, size)
     processes = sorted({max(1, int(w)) for w in config.workers})
     for target in targets:
         if target["mode"] == "raw":
@@ -167,14 +167,22 @@ def measure_references(targets: List[Dict[str, Any]], config: BenchConfig, log: 
         with open_archive(target["path"], verify=False) as reader:
             blobs, fingerprint = references.decode_sample(reader)
         target["decode_key"] = f"decode:{fingerprint}"
+        sizes: List[Optional[int]] = [config.decode_to]
+        if not config.on_cuda and any(p != "none" for p in config.pipelines):
+            # train/val crop at decode: their limit is the decode alone, the resize is only the crop's
+            target["decode_only_key"] = f"decode-only:{fingerprint}"
+            sizes.append(None)
         for p in processes:
-            if (fingerprint, p) in seen:
-                continue
-            seen.add((fingerprint, p))
-            log(f"reference: bare decode of {target['name']} in {p} process(es)")
-            ref = references.bare_decode_rate(blobs, p, config.start_method or multiprocessing.get_start_method(),
-                                              config.reference_seconds, size=config.decode_to)
-            out.append(dict(ref, key=target["decode_key"], source=target["name"]))
+            for size in sizes:
+                if (fingerprint, p, size) in seen:
+                    continue
+                seen.add((fingerprint, p, size))
+                what = f"to {size}x{size}" if size else "alone"
+                log(f"reference: bare decode ({what}) of {target['name']} in {p} process(es)")
+                ref = references.bare_decode_rate(blobs, p, config.start_method or multiprocessing.get_start_method(),
+                                                  config.reference_seconds, size=size)
+                key = target["decode_key"] if size else target["decode_only_key"]
+                out.append(dict(ref, key=key, source=target["name"]))
     return out
 
 

@@ -281,11 +281,18 @@ class RandomResizedCrop(BatchTransform):
         self.antialias = antialias
 
     def get_params(
-        self, batch_size: int, height: int, width: int, generator: Optional[torch.Generator] = None
+        self, batch_size: int, height: Union[int, torch.Tensor], width: Union[int, torch.Tensor],
+        generator: Optional[torch.Generator] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(tops, lefts, heights, widths): int64 [B] crop boxes, as forward would draw them."""
+        """(tops, lefts, heights, widths): int64 [B] crop boxes, as forward would draw them.
+
+        ``height`` and ``width`` are the images' size: one for the batch, or int64 [B] tensors,
+        one per image (crops drawn in each source image before it is decoded); the draws from
+        ``generator`` are the same either way."""
         tries = 10
-        area = height * width * torch.empty(batch_size, tries).uniform_(*self.scale, generator=generator)
+        sizes = [torch.as_tensor(side, dtype=torch.int64).reshape(-1, 1) for side in (height, width)]
+        height_, width_ = sizes  # [1,1] or [B,1]
+        area = (height_ * width_) * torch.empty(batch_size, tries).uniform_(*self.scale, generator=generator)
         log_ratio = torch.empty(batch_size, tries).uniform_(
             math.log(self.ratio[0]), math.log(self.ratio[1]), generator=generator
         )
@@ -293,25 +300,27 @@ class RandomResizedCrop(BatchTransform):
         areas, aspects = area.numpy(), np.exp(log_ratio.numpy())
         w = torch.from_numpy(np.sqrt(areas * aspects).round().astype(np.int64))
         h = torch.from_numpy(np.sqrt(areas / aspects).round().astype(np.int64))
-        ok = (w > 0) & (w <= width) & (h > 0) & (h <= height)
+        ok = (w > 0) & (w <= width_) & (h > 0) & (h <= height_)
         first = ok.int().argmax(dim=1, keepdim=True)
         h, w = h.gather(1, first).squeeze(1), w.gather(1, first).squeeze(1)
-        fallback_h, fallback_w = self._fallback(height, width)
+        fallback_h, fallback_w = self._fallback(height_.squeeze(1), width_.squeeze(1))
         found = ok.any(dim=1)
-        h = torch.where(found, h, torch.full_like(h, fallback_h))
-        w = torch.where(found, w, torch.full_like(w, fallback_w))
+        h = torch.where(found, h, fallback_h.expand(batch_size))
+        w = torch.where(found, w, fallback_w.expand(batch_size))
         u = torch.rand(2, batch_size, generator=generator)
-        tops = torch.where(found, (u[0] * (height - h + 1)).long().clamp_(max=height - h), (height - h) // 2)
-        lefts = torch.where(found, (u[1] * (width - w + 1)).long().clamp_(max=width - w), (width - w) // 2)
+        height_, width_ = height_.squeeze(1), width_.squeeze(1)
+        tops = torch.where(found, torch.minimum((u[0] * (height_ - h + 1)).long(), height_ - h), (height_ - h) // 2)
+        lefts = torch.where(found, torch.minimum((u[1] * (width_ - w + 1)).long(), width_ - w), (width_ - w) // 2)
         return tops, lefts, h, w
 
-    def _fallback(self, height: int, width: int) -> Tuple[int, int]:
-        in_ratio = width / height
-        if in_ratio < self.ratio[0]:
-            return min(height, int(round(width / self.ratio[0]))), width
-        if in_ratio > self.ratio[1]:
-            return height, min(width, int(round(height * self.ratio[1])))
-        return height, width
+    def _fallback(self, height: torch.Tensor, width: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The central crop of clamped aspect, per image (torchvision's after 10 failed draws)."""
+        heights, widths = height.numpy().astype(np.float64), width.numpy().astype(np.float64)
+        in_ratio = widths / heights
+        low, high = in_ratio < self.ratio[0], in_ratio > self.ratio[1]  # np.rint rounds halves as round() does
+        h = np.where(low, np.minimum(heights, np.rint(widths / self.ratio[0])), heights)
+        w = np.where(high, np.minimum(widths, np.rint(heights * self.ratio[1])), widths)
+        return torch.from_numpy(h.astype(np.int64)), torch.from_numpy(w.astype(np.int64))
 
     def forward(
         self, batch: torch.Tensor, generator: Optional[torch.Generator] = None, allocate: Optional[Allocate] = None

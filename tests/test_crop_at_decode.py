@@ -1,0 +1,194 @@
+"""Encoded archives do a transform's first crop while decoding: the crop is drawn in each source
+image's own size, the JPEG decoded at the least DCT scale that covers it, and only it resized."""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import packed_formats as pf
+from packed_formats import codecs, native, policy
+from packed_formats import transforms as T
+from packed_formats.synthetic import make_photo_folder
+from packed_formats.transforms.at_decode import CenterCropAtDecode, RandomCropAtDecode, split_at_decode
+
+
+def gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory):
+    """An encoded ZIP of 24 photographic JPEGs of mixed sizes (120-300 px) in 3 classes."""
+    root = tmp_path_factory.mktemp("crop-at-decode")
+    folder = make_photo_folder(root / "photos", images_per_class=8, classes=("a", "b", "c"), sizes=(120, 300), seed=3)
+    return pf.convert(folder, str(root / "photos.zip"), mode="encoded", quiet=True).destination
+
+
+def jpeg(width: int, height: int, seed: int = 0) -> bytes:
+    rng = np.random.default_rng(seed)
+    ramp = np.linspace(0, 255, width)[None, :, None] * np.ones((height, 1, 3))
+    pixels = np.clip(ramp + rng.normal(0, 20, (height, width, 3)), 0, 255).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="JPEG", quality=90)
+    return out.getvalue()
+
+
+def reference_crop(data: bytes, box, size) -> torch.Tensor:
+    """The slow way: decode the whole image, cut the box out, resize it."""
+    top, left, h, w = box
+    whole = torch.from_numpy(policy.decode(data, 3)).permute(2, 0, 1)
+    return native.resize(whole[:, top : top + h, left : left + w], size)
+
+
+# ---- the draws ----
+def test_crops_drawn_per_image_size_are_the_draws_made_for_a_batch_of_that_size():
+    """Row j of a batch of mixed sizes is exactly what a batch all of image j's size draws at row j."""
+    crop = T.RandomResizedCrop(32)
+    heights, widths = torch.tensor([40, 300, 64, 500, 17, 230]), torch.tensor([300, 40, 64, 375, 90, 230])
+    mixed = crop.get_params(6, heights, widths, gen(7))
+    for j in range(6):
+        alone = crop.get_params(6, int(heights[j]), int(widths[j]), gen(7))
+        assert [int(p[j]) for p in mixed] == [int(p[j]) for p in alone]
+    tops, lefts, h, w = mixed
+    assert torch.all((tops >= 0) & (lefts >= 0) & (tops + h <= heights) & (lefts + w <= widths))
+
+
+def test_crop_boxes_follow_torchvisions_random_resized_crop_distribution():
+    """Area share, aspect and position of 4,000 boxes in a 300x500 image against torchvision's own draws."""
+    from torchvision.transforms import RandomResizedCrop
+
+    n = 4000
+    ours = RandomCropAtDecode(T.RandomResizedCrop(64)).boxes(np.full(n, 300), np.full(n, 500), gen(1))
+    torch.manual_seed(2)
+    theirs = np.array([RandomResizedCrop.get_params(torch.empty(3, 300, 500), (0.08, 1.0), (3 / 4, 4 / 3))
+                       for _ in range(n)])
+
+    def ks(a: np.ndarray, b: np.ndarray) -> float:  # two-sample Kolmogorov-Smirnov statistic
+        grid = np.sort(np.concatenate([a, b]))
+        return float(np.abs(np.searchsorted(np.sort(a), grid, "right") / len(a)
+                            - np.searchsorted(np.sort(b), grid, "right") / len(b)).max())
+
+    def features(box: np.ndarray):
+        top, left, h, w = box.T.astype(np.float64)
+        return h * w / (300 * 500), w / h, (top + h / 2) / 300, (left + w / 2) / 500
+
+    for a, b in zip(features(ours), features(theirs)):
+        assert ks(a, b) < 0.05  # 1.36 * sqrt(2 / 4000) = 0.030 is the 5% level; a real difference is far above
+
+
+def test_val_boxes_are_resize_then_center_crop_in_source_pixels():
+    boxes = CenterCropAtDecode(256, T.CenterCrop(224)).boxes(np.array([512, 300]), np.array([512, 600]), None)
+    assert boxes.tolist() == [[32, 32, 448, 448], [19, 169, 262, 262]]
+
+
+def test_only_transforms_that_start_with_a_crop_are_split():
+    crop, rest = split_at_decode(T.train(32))
+    assert isinstance(crop, RandomCropAtDecode) and isinstance(rest, T.Compose)
+    assert [type(t).__name__ for t in rest.transforms] == ["RandomHorizontalFlip", "Normalize"]
+    crop, rest = split_at_decode(T.val(32, resize=40))
+    assert isinstance(crop, CenterCropAtDecode) and [type(t).__name__ for t in rest.transforms] == ["Normalize"]
+    assert split_at_decode(T.RandomResizedCrop(8)) is not None
+    assert split_at_decode(T.Compose([T.RandomHorizontalFlip(), T.RandomResizedCrop(8)])) is None
+    assert split_at_decode(T.RandomResizedCrop(8, antialias=False)) is None
+    assert split_at_decode(T.Normalize()) is None and split_at_decode(None) is None
+
+
+# ---- the decode ----
+@pytest.mark.parametrize("box", [(0, 0, 60, 80), (17, 33, 101, 90), (40, 80, 200, 240)])
+def test_a_crop_that_needs_full_resolution_is_the_whole_decode_cut_and_resized(box):
+    data = jpeg(320, 240)
+    got = policy.decode_crop(data, 3, box, (112, 112))  # a half-scale decode would not cover any box at 112x112
+    assert torch.equal(torch.from_numpy(got).permute(2, 0, 1), reference_crop(data, box, (112, 112)))
+
+
+@pytest.mark.parametrize("box", [(100, 200, 1000, 1200), (37, 411, 523, 601), (0, 0, 1200, 1600)])
+def test_a_large_crop_for_a_small_output_decodes_at_a_reduced_scale_and_still_matches(box):
+    """At 1/2, 1/4 or 1/8 scale the crop's edges fall within half a decoded pixel of the box: on a
+    smooth picture (where the DCT's and the resize's filters agree) the result is the slow way's."""
+    y, x = np.mgrid[0:1200, 0:1600]
+    smooth = np.stack([x / 1600 * 255, y / 1200 * 255, 127 + 100 * np.sin(x / 90.0) * np.cos(y / 70.0)], axis=2)
+    out = io.BytesIO()
+    Image.fromarray(smooth.astype(np.uint8)).save(out, format="JPEG", quality=95)
+    data = out.getvalue()
+    got = torch.from_numpy(policy.decode_crop(data, 3, box, (112, 112))).permute(2, 0, 1)
+    expected = reference_crop(data, box, (112, 112))
+    assert (got.float() - expected.float()).abs().mean() < 1.5
+    assert (got.float() - expected.float()).abs().max() < 12
+
+
+def test_grey_png_and_cmyk_images_are_cropped_like_any_other():
+    data = jpeg(200, 150)
+    grey = policy.decode_crop(data, 1, (10, 20, 100, 120), (32, 32))
+    colour = policy.decode_crop(data, 3, (10, 20, 100, 120), (32, 32))
+    assert grey.shape == (32, 32, 1) and colour.shape == (32, 32, 3)
+    png = io.BytesIO()
+    Image.open(io.BytesIO(data)).save(png, format="PNG")
+    assert policy.decode_crop(png.getvalue(), 3, (0, 0, 150, 200), (16, 16)).shape == (16, 16, 3)
+    cmyk = io.BytesIO()
+    Image.open(io.BytesIO(data)).convert("CMYK").save(cmyk, format="JPEG")
+    assert policy.decode_crop(cmyk.getvalue(), 3, (0, 0, 150, 200), (16, 16)).shape == (16, 16, 3)
+
+
+def test_a_truncated_jpeg_is_refused_not_filled():
+    data = jpeg(200, 150)
+    with pytest.raises(codecs.DecodeError):
+        policy.decode_crop(data[: len(data) // 2], 3, (0, 0, 150, 200), (32, 32))
+    with pytest.raises(codecs.DecodeError):
+        policy.image_size(b"\xff\xd8\xff" + b"\x00" * 20)
+
+
+# ---- through make_loader ----
+@pytest.mark.parametrize("recipe", ["train", "val"])
+def test_make_loader_crops_mixed_size_photos_at_decode_without_a_size(photos, recipe):
+    transform = T.train(48) if recipe == "train" else T.val(48, resize=56)
+    loader = pf.make_loader(photos, batch_size=8, num_workers=0, transform=transform, shuffle=False,
+                            return_index=True)
+    images, labels, indices = next(iter(loader))
+    assert images.shape == (8, 3, 48, 48) and images.dtype == torch.float32 and images.is_contiguous()
+    if recipe == "val":  # deterministic: each image is the resize-then-centre-crop box of its own decode
+        with pf.open_archive(photos) as reader:
+            for image, i in zip(images, indices.tolist()):
+                data = reader.read(i)
+                width, height = policy.image_size(data)
+                box = CenterCropAtDecode(56, T.CenterCrop(48)).boxes(np.array([height]), np.array([width]), None)[0]
+                crop = torch.from_numpy(policy.decode_crop(data, 3, tuple(box), (48, 48))).permute(2, 0, 1)
+                assert torch.allclose(image, T.Normalize()(crop[None].contiguous())[0])
+    else:  # every image gets its own crop: no two flips-and-crops of different photos coincide by accident
+        assert len({tuple(image[:, 0, 0].tolist()) for image in images}) == 8
+
+
+def test_crops_at_decode_are_the_same_with_any_number_of_workers(photos):
+    def epoch(workers):
+        loader = pf.make_loader(photos, batch_size=8, num_workers=workers, transform=T.train(32), seed=5)
+        loader.sampler.set_epoch(1)
+        return [(images, labels) for images, labels in loader]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning on the way
+        alone, two = epoch(0), epoch(2)
+    assert all(torch.equal(a, b) and torch.equal(x, y) for (a, x), (b, y) in zip(alone, two))
+    assert not all(torch.equal(a, b) for (a, _), (b, _) in zip(alone, epoch(0)[::-1]))
+
+
+def test_a_corrupt_photo_is_named_or_skipped_in_the_crop_path(photos, tmp_path):
+    with pf.open_archive(photos) as reader:
+        samples = [(reader.read(i), int(reader.labels[i]), reader.key(i)) for i in range(len(reader))]
+    data, label, key = samples[5]
+    samples[5] = (data[: len(data) // 3], label, key)  # truncated before it was packed: its CRC is right
+    bad_key = key
+    bad = str(tmp_path / "bad.zip")
+    with pf.open_writer(bad, mode="encoded", classes=["a", "b", "c"]) as writer:
+        for sample in samples:
+            writer.add(*sample)
+    with pytest.raises(pf.CorruptSampleError, match=bad_key):
+        list(pf.make_loader(bad, batch_size=8, num_workers=0, transform=T.train(32), shuffle=False))
+    loader = pf.make_loader(bad, batch_size=8, num_workers=0, transform=T.train(32), shuffle=False, on_error="skip")
+    with pytest.warns(pf.SkippedSampleWarning, match=bad_key):
+        sizes = [len(images) for images, _ in loader]
+    assert sizes == [7, 8, 8]
