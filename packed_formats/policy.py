@@ -192,9 +192,13 @@ def image_size(data: bytes) -> Tuple[int, int]:
         raise codecs.DecodeError(f"cannot read the image header: {exc}") from None
 
 
-def decode_crop(data: bytes, channels: int, box: Tuple[int, int, int, int], size: Tuple[int, int]) -> np.ndarray:
+def decode_crop(
+    data: bytes, channels: int, box: Tuple[int, int, int, int], size: Tuple[int, int],
+    stored: Optional[Tuple[int, int]] = None,
+) -> np.ndarray:
     """The ``box`` (top, left, height, width, in the stored image's pixels) of an encoded image,
-    resized to ``size`` (height, width): HxWxC uint8.
+    resized to ``size`` (height, width): HxWxC uint8.  ``stored`` is the image's (width, height)
+    where the caller has read it already (``image_size``), so that the header is not read again.
 
     A JPEG is decoded at the smallest DCT scale whose pixels still cover the box at ``size``
     (natively, else by Pillow's draft) and only the box is resized, by torch's antialiased
@@ -207,7 +211,7 @@ def decode_crop(data: bytes, channels: int, box: Tuple[int, int, int, int], size
         factor = min(1.0, max(size[1] / width, size[0] / height))  # decoded pixels per stored pixel needed
         return dct_scaled(stored, (math.ceil(stored[0] * factor), math.ceil(stored[1] * factor)))
 
-    stored = image_size(data)
+    stored = image_size(data) if stored is None else stored
     pixels = native.decode_jpeg(data, least) if codecs.sniff(data) == "jpeg" else None
     if pixels is None:
         image = codecs.to_8bit(codecs.open_image(data, draft=lambda s: ("RGB", least(s))))

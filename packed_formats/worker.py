@@ -88,9 +88,10 @@ class BatchReader(torch.utils.data.Dataset):
 
     def _batch(self, plan: BatchPlan) -> Tuple[torch.Tensor, torch.Tensor, Tuple[Skipped, ...], torch.Tensor]:
         idx = self.reader.check_indices(plan.indices)
-        seed = batch_seed(self.seed, plan.epoch, self.rank, plan.number)
-        generator = torch.Generator().manual_seed(seed)  # the batch's randomness, crops at decode first
-        transform = self.transform
+        transform, seed, generator = self.transform, 0, None
+        if transform is not None:  # the batch's randomness: crops at decode draw from it first
+            seed = batch_seed(self.seed, plan.epoch, self.rank, plan.number)
+            generator = torch.Generator().manual_seed(seed)
         if self.reader.mode == "raw":
             images, skipped = self._read_raw(idx)
         elif self.at_decode is not None:
@@ -104,7 +105,7 @@ class BatchReader(torch.utils.data.Dataset):
             images = images[torch.from_numpy(keep)]
             idx = idx[keep]
         labels = torch.from_numpy(np.ascontiguousarray(self.reader.labels[idx]))
-        if transform is not None:
+        if transform is not None and generator is not None:
             images, labels = self._transform(transform, images, labels, seed, generator)
         images = self._in_layout(images)
         return images, labels, tuple(s[1] for s in skipped), torch.from_numpy(np.array(idx, dtype=np.int64))
@@ -196,16 +197,17 @@ class BatchReader(torch.utils.data.Dataset):
         """Decode the batch: each image whole (resized to ``size`` if given), or only ``crop``'s box of it."""
         found, skipped = self._encoded_blobs(idx)
         blobs = list(found)
-        boxes = None if crop is None else self._crop_boxes(crop, idx, blobs, skipped, generator)
+        crops = None if crop is None else self._crop_plan(crop, idx, blobs, skipped, generator)
         buffer = None
         for j, (i, blob) in enumerate(zip(idx.tolist(), blobs)):
             if blob is None:
                 continue
             try:
-                if boxes is None:
+                if crops is None:
                     pixels = self._decode(blob, i)
                 else:
-                    pixels = self._decode_crop(blob, i, boxes[j], cast(CropAtDecode, crop).size)
+                    boxes, sizes, out_size = crops
+                    pixels = self._decode_crop(blob, i, boxes[j], out_size, (int(sizes[j, 0]), int(sizes[j, 1])))
             except CorruptSampleError as exc:
                 if self.on_error == "raise":
                     raise
@@ -236,31 +238,31 @@ class BatchReader(torch.utils.data.Dataset):
                 skipped.append((j, self._skipped(exc, i)))
         return blobs, skipped
 
-    def _crop_boxes(self, crop: CropAtDecode, idx: np.ndarray, blobs: List[Optional[bytes]], skipped: Bad,
-                    generator: Optional[torch.Generator]) -> np.ndarray:
-        """Each image's crop box, drawn in its stored size (read from its header); an image whose
-        header does not read is skipped or raises here, as a failed decode would."""
-        sizes = np.ones((len(idx), 2), dtype=np.int64)  # (height, width); 1x1 for the samples left out
+    def _crop_plan(self, crop: CropAtDecode, idx: np.ndarray, blobs: List[Optional[bytes]], skipped: Bad,
+                   generator: Optional[torch.Generator]) -> Tuple[np.ndarray, np.ndarray, Tuple[int, int]]:
+        """(each image's crop box, its stored (width, height), the output size): the boxes drawn in
+        the sizes read from the images' headers.  An image whose header does not read is skipped or
+        raises here, as a failed decode would (1x1 for the samples left out)."""
+        sizes = np.ones((len(idx), 2), dtype=np.int64)
         for j, (i, blob) in enumerate(zip(idx.tolist(), blobs)):
             if blob is None:
                 continue
             try:
-                width, height = policy.image_size(blob)
+                sizes[j] = policy.image_size(blob)
             except codecs.DecodeError as exc:
                 error = self.reader.sample_error(i, str(exc))
                 if self.on_error == "raise":
                     raise error from None
                 blobs[j] = None
                 skipped.append((j, self._skipped(error, i)))
-                continue
-            sizes[j] = height, width
-        return crop.boxes(sizes[:, 0].copy(), sizes[:, 1].copy(), generator)
+        return crop.boxes(sizes[:, 1].copy(), sizes[:, 0].copy(), generator), sizes, crop.size
 
-    def _decode_crop(self, blob: bytes, i: int, box: np.ndarray, size: Tuple[int, int]) -> np.ndarray:
+    def _decode_crop(self, blob: bytes, i: int, box: np.ndarray, size: Tuple[int, int],
+                     stored: Tuple[int, int]) -> np.ndarray:
         """One image's crop box, decoded at the least scale that covers it and resized to ``size``."""
         try:
             top, left, height, width = (int(v) for v in box)
-            return policy.decode_crop(blob, self.channels, (top, left, height, width), size)
+            return policy.decode_crop(blob, self.channels, (top, left, height, width), size, stored)
         except codecs.DecodeError as exc:
             raise self.reader.sample_error(i, str(exc)) from None
 

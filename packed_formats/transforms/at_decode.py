@@ -75,7 +75,6 @@ def split_at_decode(transform: Optional[Callable]) -> Optional[Tuple[CropAtDecod
     """(the crop to make while decoding, what of ``transform`` remains after it), or None when
     ``transform`` does not start with a crop that can be drawn in the source image (or asks
     for no antialiasing: the crop is always resized with it)."""
-    first: Union[RandomResizedCrop, Resize, None] = None
     if isinstance(transform, CropFlipNormalize):
         crop, flip, normalize = transform._parts
         rest: Callable = normalize if flip is None else Compose([flip, normalize], transform.generator)
@@ -85,7 +84,9 @@ def split_at_decode(transform: Optional[Callable]) -> Optional[Tuple[CropAtDecod
     if not isinstance(transform, Compose) or not transform.transforms:
         return None
     ops = transform.transforms
-    first = ops[0] if isinstance(ops[0], (RandomResizedCrop, Resize)) and ops[0].antialias else None
+    first: Union[RandomResizedCrop, Resize, None] = None
+    if isinstance(ops[0], (RandomResizedCrop, Resize)) and ops[0].antialias:
+        first = ops[0]
     if isinstance(first, RandomResizedCrop):
         return RandomCropAtDecode(first), _remaining(transform, ops[1:])
     if isinstance(first, Resize) and isinstance(first.size, int) and len(ops) >= 2 and isinstance(ops[1], CenterCrop):
