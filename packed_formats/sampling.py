@@ -11,6 +11,7 @@ exactly, on the same number of ranks or on another.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import random
@@ -173,19 +174,24 @@ class BatchSampler(torch.utils.data.Sampler):
         self.epoch, self.start = position.epoch, position.start
         self.first_batch, self.skip = position.first_batch, position.done
 
-    def _order(self) -> np.ndarray:
-        return shard_indices(
-            self.n, epoch=self.epoch, seed=self.seed, shuffle=self.shuffle, rank=self.rank,
+    def __iter__(self) -> Iterator[BatchPlan]:
+        """The plans of the next iteration, as placed now, made one by one as they are asked for.
+
+        The epoch's order is drawn on the first request, not here: a DataLoader asks
+        for an iterator twice before it uses one, and at millions of samples each
+        draw costs a good part of a second, and a list of plans far more.
+        """
+        order_of = functools.partial(
+            shard_indices, self.n, epoch=self.epoch, seed=self.seed, shuffle=self.shuffle, rank=self.rank,
             world_size=self.world_size, drop_last=self.drop_last, start=self.start,
         )
+        return self._plans(self.epoch, self.first_batch, self.skip, order_of)
 
-    def __iter__(self) -> Iterator[BatchPlan]:
-        order, bs = self._order(), self.batch_size
-        starts = range(0, batch_count(len(order), bs, self.drop_last) * bs, bs)
-        return iter([
-            BatchPlan(self.epoch, self.first_batch + k, order[s : s + bs])
-            for k, s in enumerate(starts) if k >= self.skip
-        ])
+    def _plans(self, epoch: int, first_batch: int, skip: int, order_of: Callable[[], np.ndarray]
+               ) -> Iterator[BatchPlan]:
+        order, bs = order_of(), self.batch_size
+        for k in range(skip, batch_count(len(order), bs, self.drop_last)):
+            yield BatchPlan(epoch, first_batch + k, order[k * bs : (k + 1) * bs])
 
     def split_batches(self, start: int = 0) -> int:
         """Batches of this rank's share of a split from position ``start`` (0: a whole epoch)."""

@@ -240,3 +240,35 @@ def test_a_dropped_alpha_channel_is_said_once_per_conversion(tmp_path, mode, war
     assert len(alpha) == (1 if warned else 0)
     if warned:
         assert "3 image(s)" in str(alpha[0].message) and issubclass(alpha[0].category, pf.SourceWarning)
+
+
+def test_verify_once_checks_a_sample_the_first_time_each_process_reads_it(uniform, monkeypatch):
+    import mmap
+
+    checked = []
+    real = type(pf.open_archive(uniform)).check_sample
+    monkeypatch.setattr(type(pf.open_archive(uniform)), "check_sample",
+                        lambda self, i, blob: checked.append(i) or real(self, i, blob))
+    with pf.open_archive(uniform, verify="once") as reader:
+        reader.read(3), reader.read(3), reader.read(11)
+        reader.read_many([3, 11, 12, 12])
+        assert checked == [3, 11, 12]
+        reader.read_many([len(reader) - 1])
+        assert checked[-1] == len(reader) - 1
+        # one bit per sample, on a private anonymous map: zero pages that cost nothing until set
+        bits = reader._verified.get()
+        assert bits.nbytes == (len(reader) + 7) // 8 and isinstance(getattr(bits.base, "obj", None), mmap.mmap)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # a forked worker checks again, for itself
+            checked.clear()
+            reader.read(3)
+            os.write(write, json.dumps(checked).encode())
+            os._exit(0)
+        os.waitpid(pid, 0)
+        assert json.loads(os.read(read, 100)) == [3]
+        reader.read(3)
+        assert checked == [3, 11, 12, len(reader) - 1]
+    with pf.open_archive(uniform, verify=True) as reader:
+        reader.read(3), reader.read(3)
+    assert checked[-2:] == [3, 3]

@@ -73,6 +73,30 @@ def test_epochs_are_shuffled_differently_and_reproducibly(uniform_archives):
     assert first == list(shard_indices(len(lookup), epoch=0, seed=4))
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_the_epoch_order_is_drawn_once_when_the_first_batch_is_asked_for(uniform_archives, monkeypatch, num_workers):
+    # At millions of samples one draw costs a good part of a second: a DataLoader asks its sampler
+    # for an iterator twice before it uses one, and a loader built must draw nothing at all.
+    from packed_formats import sampling
+
+    draws = []
+    real = sampling.epoch_order
+    monkeypatch.setattr(sampling, "epoch_order", lambda *a, **k: draws.append(k) or real(*a, **k))
+    path = uniform_archives[("memmap", "raw")]
+    loader = pf.make_loader(path, batch_size=5, num_workers=num_workers, seed=3, multiprocessing_context="fork"
+                            if num_workers else None)
+    loader.set_epoch(2)
+    assert len(loader) > 1 and draws == []
+    unused = iter(loader.sampler)
+    assert draws == []
+    batches = iter(loader)
+    next(batches)
+    assert [d["epoch"] for d in draws] == [2]
+    loader.set_epoch(5)  # an iteration under way keeps the epoch it was started with
+    assert len(list(batches)) == len(loader) - 1 and [d["epoch"] for d in draws] == [2]
+    del unused, batches
+
+
 def test_other_seed_other_order(uniform_archives):
     path = uniform_archives[("memmap", "raw")]
     lookup = sample_lookup(path)

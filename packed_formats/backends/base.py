@@ -39,7 +39,7 @@ from ..errors import (
     TooManyOpenFilesError,
 )
 from ..handles import ProcessLocal, SharedHandle
-from ..index import IndexBuilder, SampleIndex
+from ..index import IndexBuilder, SampleIndex, anonymous_array
 from ..manifest import MODES, ArchiveManifest, new_manifest
 from ..policy import VerifyPolicy, check_verify
 from .mapped import FileTruncatedError
@@ -236,7 +236,10 @@ class Reader:
             handle_key(backend.format_name, self.path, self.backend.identity),
             self._open_checked, _close_handle, _discard_handle,
         )
-        self._verified = ProcessLocal(functools.partial(np.zeros, len(self) if verify == "once" else 0, dtype=bool))
+        # one bit per sample, on a private anonymous map: untouched pages cost nothing (a calloc'd block
+        # from the heap is cleared in full, so every worker would hold a byte per sample of its own)
+        bits = (len(self) + 7) // 8 if verify == "once" else 0
+        self._verified = ProcessLocal(functools.partial(anonymous_array, np.uint8, bits))
 
     # ---- metadata ----
     @property
@@ -435,11 +438,11 @@ class Reader:
         if self.verify is False:
             return
         if self.verify == "once":
-            verified = self._verified.get()
-            if verified[i]:
+            verified, byte, bit = self._verified.get(), i >> 3, 1 << (i & 7)
+            if verified[byte] & bit:
                 return
             self.check_sample(i, blob)
-            verified[i] = True
+            verified[byte] |= bit
             return
         self.check_sample(i, blob)
 

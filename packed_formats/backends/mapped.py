@@ -28,7 +28,8 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-_CHUNK = 1 << 20  # positions checked per step: a bounded temporary whatever the archive's size
+_CHUNK = 1 << 16  # positions checked per step: a temporary of 512 KiB whatever the archive's size (a larger
+# one stays in the heap of every worker: glibc keeps freed blocks of several MiB for reuse)
 
 
 class FileTruncatedError(OSError):

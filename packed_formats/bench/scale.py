@@ -20,6 +20,10 @@ format's memory never pollutes another's.  The columns:
   a fresh process (opening, worker start-up and their imports included), for
   ``dataset`` (a plain torch DataLoader over PackedDataset) and ``make_loader``,
   with W workers, per start method.
+- above the table, for reference: how long torch's own ``RandomSampler`` takes
+  to give its first index of N.  Every map-style dataset under
+  ``DataLoader(shuffle=True)`` pays it before its first batch, so it is the
+  floor of the DL columns; ``make_loader`` draws its order without it.
 - worker MiB: private memory (Private_Dirty of /proc/PID/smaps_rollup: the
   pages that are this process's own copy) of the most expensive DataLoader
   worker after a few batches, same loaders and start methods: what each extra
@@ -111,7 +115,10 @@ def run_scale(config: ScaleConfig, log: Callable[[str], None] = lambda line: pri
         "config": dataclasses.asdict(config),
         "environment": describe_environment(),
         "rows": [],
+        "errors": [],
     }
+    log("torch's RandomSampler: first index")
+    results["sampler"] = _measured(results, "sampler", "sampler", {"count": config.count}, config)
     root = tempfile.mkdtemp(prefix="pf-scale-", dir=config.directory)
     try:
         for fmt in config.chosen_formats():
@@ -339,6 +346,17 @@ def build_loader(args: Dict[str, Any]):
     return torch.utils.data.DataLoader(PackedDataset(args["path"], output="tensor"), **common)
 
 
+def probe_sampler(args: Dict[str, Any]) -> Dict[str, Any]:
+    """Seconds for torch's own RandomSampler to give the first index of ``count``: every map-style
+    dataset under ``DataLoader(shuffle=True)`` pays it before its first batch (it draws the whole
+    permutation and makes it a Python list), so it is the floor of the DL columns."""
+    import torch
+
+    started = time.perf_counter()
+    next(iter(torch.utils.data.RandomSampler(range(args["count"]))))
+    return {"seconds": time.perf_counter() - started}
+
+
 def probe_loader(args: Dict[str, Any]) -> Dict[str, Any]:
     """Time to the first batch, the workers' private memory after a few, and optionally a full epoch."""
     from .. import PackedDataset, make_loader  # noqa: F401 - imported before the clock starts, as in a training script
@@ -381,7 +399,7 @@ def read_to_the_end(batches: Iterator, seen: int, workers: List[int], started: f
 
 
 PROBES: Dict[str, Callable[[Dict[str, Any]], Dict[str, Any]]] = {
-    "write": probe_write, "open": probe_open, "loader": probe_loader,
+    "write": probe_write, "open": probe_open, "loader": probe_loader, "sampler": probe_sampler,
 }
 
 
@@ -457,8 +475,14 @@ def format_scale_table(results: Dict[str, Any]) -> str:
         "DL: DataLoader over PackedDataset; ML: make_loader; write MiB: peak RSS, +MiB: above the RSS before "
         "writing; worker MiB: the largest worker's private memory; fds: peak during a full make_loader epoch",
         "",
-    ] + _grid(_header(methods), [_row_cells(row, methods) for row in results["rows"]])
-    errors = [f"  {row['format']}: {error}" for row in results["rows"] for error in row["errors"]]
+    ]
+    sampler = results.get("sampler")
+    if sampler:
+        lines[-1:-1] = [f"torch's RandomSampler alone takes {_num(sampler['seconds'])} s to give its first index "
+                        f"of {config['count']:,}: every DataLoader(shuffle=True) pays it before its first batch"]
+    lines += _grid(_header(methods), [_row_cells(row, methods) for row in results["rows"]])
+    errors = [f"  {error}" for error in results.get("errors", [])]
+    errors += [f"  {row['format']}: {error}" for row in results["rows"] for error in row["errors"]]
     if errors:
         lines += ["", "errors:"] + errors
     if results.get("directory"):
