@@ -50,7 +50,7 @@ from .sampling import (
     shard_indices,
 )
 from .transforms import apply_transform
-from .worker import BatchReader
+from .worker import BatchReader, FailedBatch
 
 __all__ = [
     "ON_ERROR",
@@ -217,8 +217,10 @@ class PackedLoader:
 
     def _host_batches(self, batches: Iterator, first: int, numbers: List[int],
                       indices: Deque[torch.Tensor]) -> Iterator[Batch]:
-        for number, (images, labels, skipped, index) in enumerate(_naming_dead_workers(batches, self.reader.path),
-                                                                  first):
+        for number, item in enumerate(_naming_dead_workers(batches, self.reader.path), first):
+            if isinstance(item, FailedBatch):
+                item.raise_error()
+            images, labels, skipped, index = item
             if skipped:
                 self._warn(skipped)
             if len(labels):

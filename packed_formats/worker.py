@@ -14,7 +14,8 @@ is written once and sent without a copy.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple, cast
+import traceback
+from typing import Callable, Iterator, List, NamedTuple, NoReturn, Optional, Sequence, Tuple, cast
 
 import numpy as np
 import torch
@@ -30,6 +31,26 @@ from .transforms import apply_with_labels
 from .transforms.at_decode import CropAtDecode, split_at_decode
 
 Item = Tuple[SentBatch, torch.Tensor, Tuple[Skipped, ...], torch.Tensor]  # (images, labels, left out, indices)
+
+
+class FailedBatch(NamedTuple):
+    """A worker's batch that failed with one of this library's errors, returned instead of raised.
+
+    torch re-raises a worker's exception in the main process by calling its class on the
+    message, so ``.path``, ``.index`` and ``.key`` of a ``CorruptSampleError`` would be lost;
+    returned, the error is pickled whole, and the loader raises it (``raise_error``).
+    """
+
+    error: PackedFormatError
+    trace: str  # the worker's traceback
+
+    def raise_error(self) -> NoReturn:
+        raise self.error from WorkerTraceback(f"raised in a DataLoader worker:\n{self.trace.rstrip()}")
+
+
+class WorkerTraceback(Exception):
+    """The cause shown under an error a worker raised: its traceback there, as text."""
+
 Bad = List[Tuple[int, Skipped]]  # (position in the batch, what was wrong), for on_error="skip"
 
 
@@ -77,14 +98,19 @@ class BatchReader(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.reader)
 
-    def __getitem__(self, plan: BatchPlan) -> Item:
-        if self.pool is None:
-            return self._batch(plan)
+    def __getitem__(self, plan: BatchPlan) -> "Item | FailedBatch":
         try:
-            images, labels, skipped, indices = self._batch(plan)
-            return memory.hand_back((self.pool.send(images), labels, skipped, indices), self.reader.path)
-        finally:
-            self.pool.end_batch()
+            if self.pool is None:
+                return self._batch(plan)
+            try:
+                images, labels, skipped, indices = self._batch(plan)
+                return memory.hand_back((self.pool.send(images), labels, skipped, indices), self.reader.path)
+            finally:
+                self.pool.end_batch()
+        except PackedFormatError as exc:
+            if torch.utils.data.get_worker_info() is None:
+                raise
+            return FailedBatch(exc, traceback.format_exc())
 
     def _batch(self, plan: BatchPlan) -> Tuple[torch.Tensor, torch.Tensor, Tuple[Skipped, ...], torch.Tensor]:
         idx = self.reader.check_indices(plan.indices)

@@ -249,11 +249,16 @@ def corrupt(request, uniform_archives, tmp_path):
     return corrupt_copy(uniform_archives[(fmt, mode)], os.fspath(tmp_path / f"bad.{fmt}"), fmt, mode)
 
 
-def test_a_corrupt_sample_raises_naming_path_and_key(corrupt):
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_corrupt_sample_raises_naming_path_and_key(corrupt, num_workers):
+    # from a worker too: torch re-raises a worker's error from its message alone, which loses the fields
     key = pf.open_archive(corrupt, verify=False).key(BAD)
     with pytest.raises(pf.CorruptSampleError) as info:
-        list(pf.make_loader(corrupt, batch_size=8, num_workers=0, shuffle=False))
+        list(pf.make_loader(corrupt, batch_size=8, num_workers=num_workers, shuffle=False))
     assert info.value.path == corrupt and info.value.key == key and info.value.index == BAD
+    assert str(info.value).startswith(f"{corrupt} [sample index {BAD}, key {key!r}]: ")
+    cause = str(info.value.__cause__ or "")
+    assert bool(num_workers) == ("raised in a DataLoader worker" in cause and "Traceback" in cause)
 
 
 def test_skip_drops_the_corrupt_sample_with_a_warning(corrupt):
