@@ -89,10 +89,13 @@ def test_val_boxes_are_resize_then_center_crop_in_source_pixels():
 
 def test_only_transforms_that_start_with_a_crop_are_split():
     crop, rest = split_at_decode(T.train(32))
-    assert isinstance(crop, RandomCropAtDecode) and isinstance(rest, T.Compose)
+    assert isinstance(crop, RandomCropAtDecode) and isinstance(rest, T.FlipNormalize)  # the rest in one pass
     assert [type(t).__name__ for t in rest.transforms] == ["RandomHorizontalFlip", "Normalize"]
     crop, rest = split_at_decode(T.val(32, resize=40))
-    assert isinstance(crop, CenterCropAtDecode) and [type(t).__name__ for t in rest.transforms] == ["Normalize"]
+    assert isinstance(crop, CenterCropAtDecode) and isinstance(rest, T.FlipNormalize)
+    assert [type(t).__name__ for t in rest.transforms] == ["Normalize"]
+    crop, rest = split_at_decode(T.Compose([T.RandomResizedCrop(8), T.RandomHorizontalFlip(), T.ToFloat(), abs]))
+    assert type(rest) is T.Compose and len(rest.transforms) == 3
     assert split_at_decode(T.RandomResizedCrop(8)) is not None
     assert split_at_decode(T.Compose([T.RandomHorizontalFlip(), T.RandomResizedCrop(8)])) is None
     assert split_at_decode(T.RandomResizedCrop(8, antialias=False)) is None

@@ -243,6 +243,25 @@ def test_fused_crop_flip_normalize_equals_the_modules_one_by_one(monkeypatch, la
     assert out.is_contiguous()  # what models and DDP expect, turned per sample while in cache
 
 
+@pytest.mark.parametrize("tail", ["normalize", "to_float"])
+@pytest.mark.parametrize("flip", [True, False], ids=["flip", "no_flip"])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_fused_flip_normalize_equals_the_modules_one_by_one(monkeypatch, layout, flip, tail):
+    # what is left of train() and val() once an encoded archive has cropped at decode
+    batch = torch.randint(0, 256, (24, 3, 20, 28), generator=gen(), dtype=torch.uint8)
+    if layout == "channels_last":
+        batch = batch.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    fused = T.FlipNormalize(T.RandomHorizontalFlip() if flip else None, T.Normalize() if tail == "normalize"
+                            else T.ToFloat())
+    expected = one_by_one(fused.transforms, batch, gen(4))
+    unflipped = one_by_one(fused.transforms[-1:], batch, None)
+    forbid_forward(monkeypatch, T.RandomHorizontalFlip, T.Normalize, T.ToFloat)
+    out = fused(batch, generator=gen(4))
+    assert torch.equal(out, expected) and out.is_contiguous()
+    flipped = [torch.equal(o, u.flip(2)) and not torch.equal(o, u) for o, u in zip(out, unflipped)]
+    assert (any(flipped) and not all(flipped)) if flip else not any(flipped)
+
+
 def test_fused_op_inside_a_longer_compose_uses_each_modules_own_generator(monkeypatch):
     batch = torch.randint(0, 256, (16, 3, 48, 48), generator=gen(), dtype=torch.uint8)
     transforms = [

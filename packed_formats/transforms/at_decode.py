@@ -24,7 +24,17 @@ from typing import Callable, Optional, Protocol, Tuple, Union
 import numpy as np
 import torch
 
-from .ops import CenterCrop, Compose, CropFlipNormalize, RandomResizedCrop, Resize
+from .ops import (
+    CenterCrop,
+    Compose,
+    CropFlipNormalize,
+    FlipNormalize,
+    Normalize,
+    RandomHorizontalFlip,
+    RandomResizedCrop,
+    Resize,
+    ToFloat,
+)
 
 Boxes = np.ndarray  # int64 [B, 4]: top, left, height, width of each crop in its source image
 
@@ -77,7 +87,7 @@ def split_at_decode(transform: Optional[Callable]) -> Optional[Tuple[CropAtDecod
     for no antialiasing: the crop is always resized with it)."""
     if isinstance(transform, CropFlipNormalize):
         crop, flip, normalize = transform._parts
-        rest: Callable = normalize if flip is None else Compose([flip, normalize], transform.generator)
+        rest = FlipNormalize(flip, normalize, transform.generator)  # flip, float and NCHW in one pass
         return (RandomCropAtDecode(crop), rest) if crop.antialias else None
     if isinstance(transform, RandomResizedCrop):
         return (RandomCropAtDecode(transform), None) if transform.antialias else None
@@ -95,4 +105,10 @@ def split_at_decode(transform: Optional[Callable]) -> Optional[Tuple[CropAtDecod
 
 
 def _remaining(transform: Compose, ops: list) -> Optional[Callable]:
-    return Compose(ops, transform.generator) if ops else None
+    """What follows the crop: [flip,] normalise fused into one pass (``FlipNormalize``), else as it is."""
+    if not ops:
+        return None
+    flip = ops[0] if len(ops) == 2 and isinstance(ops[0], RandomHorizontalFlip) else None
+    if len(ops) == 1 + (flip is not None) and isinstance(ops[-1], (Normalize, ToFloat)):
+        return FlipNormalize(flip, ops[-1], transform.generator)
+    return Compose(ops, transform.generator)

@@ -227,7 +227,7 @@ def normalize(batch: torch.Tensor, mean: Sequence[float], std: Sequence[float], 
 
 def crop_flip_to_float(
     batch: torch.Tensor,
-    boxes: Boxes,
+    boxes: Optional[Boxes],
     flips: Optional[torch.Tensor],
     size: Tuple[int, int],
     antialias: bool,
@@ -251,13 +251,22 @@ def crop_flip_to_float(
     then ``scale_and_shift``), so the result is bit-identical to theirs.  The
     scale and shift are shaped as ``normalize_scale_shift`` gives them, for the
     output ``size``; ``UINT8_TO_UNIT`` and no shift is ``to_float``.
+
+    With ``boxes`` None every sample is taken whole (``size`` is then the
+    batch's own): the flip, cast and layout turn of a batch already cropped
+    (an encoded archive crops at decode) in one pass instead of three.
     """
     b, c = batch.shape[:2]
     h, w = size
     out, rows = float_output((b, c, h, w), dtype, batch.device, False, allocate)
     mirrored = flips.tolist() if flips is not None else [False] * b
-    for i, (top, left, height, width) in enumerate(zip(*(t.tolist() for t in boxes))):
-        sample = resize(batch[i : i + 1, :, top : top + height, left : left + width], h, w, antialias)[0]
+    windows = zip(*(t.tolist() for t in boxes)) if boxes is not None else [None] * b
+    for i, box in enumerate(windows):
+        if box is None:
+            sample = batch[i]
+        else:
+            top, left, height, width = box
+            sample = resize(batch[i : i + 1, :, top : top + height, left : left + width], h, w, antialias)[0]
         out[i].copy_(sample.flip(2) if mirrored[i] else sample)  # the sample's layout turned while in cache
         scale_and_shift(rows[i], scale, shift)
     return out

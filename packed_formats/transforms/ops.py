@@ -463,23 +463,64 @@ class CropFlipNormalize(Compose):
         b, _, height, width = batch.shape
         boxes = crop.get_params(b, height, width, generator=crop._rng(generator))
         flips = flip.get_params(b, flip._rng(generator)) if flip is not None else None
-        scale: F.Scale
-        if isinstance(normalize, Normalize):  # shaped for the result's contiguous NCHW rows
-            scale, shift = F.normalize_scale_shift(
-                normalize.mean, normalize.std, normalize.dtype, batch.dtype, crop.size[1], False, batch.device
-            )
-        else:
-            scale, shift = F.UINT8_TO_UNIT, None
+        scale, shift = _scale_shift(normalize, batch, crop.size[1])
         return F.crop_flip_to_float(
             batch, boxes, flips, crop.size, crop.antialias, normalize.dtype, scale, shift, allocate
         )
 
     def _fuses(self, batch: torch.Tensor) -> bool:
-        """Whether ``batch`` takes the fused pass: a CPU uint8 [B,C,H,W] batch (with as many
-        channels as Normalize has means; otherwise the ops one by one say what is wrong)."""
-        if not (isinstance(batch, torch.Tensor) and batch.dim() == 4):
-            return False
-        if batch.dtype != torch.uint8 or batch.device.type != "cpu":
-            return False
-        normalize = self._parts[2]
-        return not isinstance(normalize, Normalize) or batch.shape[1] == len(normalize.mean)
+        return _fuses(batch, self._parts[2])
+
+
+class FlipNormalize(Compose):
+    """Optionally ``RandomHorizontalFlip``, then ``Normalize`` or ``ToFloat``, in one pass per sample
+    on CPU uint8 batches: what is left of ``CropFlipNormalize`` once an encoded archive has made
+    the crop while decoding.
+
+    Bit-identical to the ops one after the other (which it runs on other batches), and its result
+    is contiguous NCHW: the flip, the cast and the turn from the batch's channels-last layout
+    happen while each sample is in cache, instead of in three passes over the batch.
+    """
+
+    def __init__(
+        self, flip: Optional[RandomHorizontalFlip], normalize: Union[Normalize, ToFloat],
+        generator: Optional[torch.Generator] = None,
+    ) -> None:
+        if flip is not None and not isinstance(flip, RandomHorizontalFlip):
+            raise TypeError(f"flip must be a RandomHorizontalFlip or None, got {type(flip).__name__}")
+        if not isinstance(normalize, (Normalize, ToFloat)):
+            raise TypeError(f"normalize must be a Normalize or ToFloat, got {type(normalize).__name__}")
+        super().__init__(([flip] if flip is not None else []) + [normalize], generator)
+        self._parts = (flip, normalize)
+
+    def forward(
+        self, batch: torch.Tensor, generator: Optional[torch.Generator] = None, allocate: Optional[Allocate] = None
+    ) -> torch.Tensor:
+        flip, normalize = self._parts
+        if not _fuses(batch, normalize):
+            return super().forward(batch, generator, allocate)
+        generator = self._rng(generator)
+        b, _, height, width = batch.shape
+        flips = flip.get_params(b, flip._rng(generator)) if flip is not None else None
+        scale, shift = _scale_shift(normalize, batch, width)
+        return F.crop_flip_to_float(batch, None, flips, (height, width), True, normalize.dtype, scale, shift, allocate)
+
+
+def _fuses(batch: torch.Tensor, normalize: "Normalize | ToFloat") -> bool:
+    """Whether ``batch`` takes a fused pass: a CPU uint8 [B,C,H,W] batch (with as many
+    channels as Normalize has means; otherwise the ops one by one say what is wrong)."""
+    if not (isinstance(batch, torch.Tensor) and batch.dim() == 4):
+        return False
+    if batch.dtype != torch.uint8 or batch.device.type != "cpu":
+        return False
+    return not isinstance(normalize, Normalize) or batch.shape[1] == len(normalize.mean)
+
+
+def _scale_shift(normalize: "Normalize | ToFloat", batch: torch.Tensor, width: int
+                 ) -> Tuple[F.Scale, Optional[torch.Tensor]]:
+    """The fused passes' scale and shift, shaped for the result's contiguous NCHW rows of ``width``."""
+    if isinstance(normalize, Normalize):
+        return F.normalize_scale_shift(
+            normalize.mean, normalize.std, normalize.dtype, batch.dtype, width, False, batch.device
+        )
+    return F.UINT8_TO_UNIT, None
