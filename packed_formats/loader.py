@@ -219,7 +219,12 @@ class PackedLoader:
                       indices: Deque[torch.Tensor]) -> Iterator[Batch]:
         for number, item in enumerate(_naming_dead_workers(batches, self.reader.path), first):
             if isinstance(item, FailedBatch):
-                item.raise_error()
+                error = item.raised()
+                del item
+                try:
+                    raise error
+                finally:  # no reference from this frame to the error, whose traceback holds the frame: a cycle
+                    del error  # would keep the DataLoader and its workers alive until the garbage collector runs
             images, labels, skipped, index = item
             if skipped:
                 self._warn(skipped)

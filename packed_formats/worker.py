@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import traceback
-from typing import Callable, Iterator, List, NamedTuple, NoReturn, Optional, Sequence, Tuple, cast
+from typing import Callable, Iterator, List, NamedTuple, Optional, Sequence, Tuple, cast
 
 import numpy as np
 import torch
@@ -38,18 +38,21 @@ class FailedBatch(NamedTuple):
 
     torch re-raises a worker's exception in the main process by calling its class on the
     message, so ``.path``, ``.index`` and ``.key`` of a ``CorruptSampleError`` would be lost;
-    returned, the error is pickled whole, and the loader raises it (``raise_error``).
+    returned, the error is pickled whole, and the loader raises it (``raised``).
     """
 
     error: PackedFormatError
     trace: str  # the worker's traceback
 
-    def raise_error(self) -> NoReturn:
-        raise self.error from WorkerTraceback(f"raised in a DataLoader worker:\n{self.trace.rstrip()}")
+    def raised(self) -> PackedFormatError:
+        """The error, its cause the worker's traceback (as ``raise ... from`` would set it)."""
+        self.error.__cause__ = WorkerTraceback(f"raised in a DataLoader worker:\n{self.trace.rstrip()}")
+        return self.error
 
 
 class WorkerTraceback(Exception):
     """The cause shown under an error a worker raised: its traceback there, as text."""
+
 
 Bad = List[Tuple[int, Skipped]]  # (position in the batch, what was wrong), for on_error="skip"
 

@@ -261,6 +261,35 @@ def test_a_corrupt_sample_raises_naming_path_and_key(corrupt, num_workers):
     assert bool(num_workers) == ("raised in a DataLoader worker" in cause and "Traceback" in cause)
 
 
+def test_after_a_worker_error_the_loader_and_its_workers_go_with_the_last_reference(corrupt):
+    # with the garbage collector left out: a reference cycle through the error would keep the workers
+    # alive until it runs, and their shutdown from there waits 5 s per worker
+    import gc
+    import time
+
+    from packed_formats.bench.scale import worker_pids
+
+    gc.collect()
+    gc.disable()
+    try:
+        loader = pf.make_loader(corrupt, batch_size=8, num_workers=2, shuffle=False, multiprocessing_context="fork")
+        batches = iter(loader)
+        try:
+            for _ in batches:
+                pass
+        except pf.CorruptSampleError as exc:
+            assert exc.index == BAD
+        workers = worker_pids(os.getpid())
+        assert len(workers) == 2
+        del loader, batches
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and set(workers) & set(worker_pids(os.getpid())):
+            time.sleep(0.05)
+        assert not set(workers) & set(worker_pids(os.getpid()))
+    finally:
+        gc.enable()
+
+
 def test_skip_drops_the_corrupt_sample_with_a_warning(corrupt):
     key = pf.open_archive(corrupt, verify=False).key(BAD)
     loader = pf.make_loader(corrupt, batch_size=8, num_workers=2, shuffle=False, on_error="skip")
