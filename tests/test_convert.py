@@ -351,7 +351,7 @@ def test_encoded_output_is_estimated_as_the_source_files_bytes(image_folder):
 
 
 def test_a_full_disk_during_conversion_names_the_destination_and_leaves_nothing(tmp_path, image_folder, monkeypatch):
-    def full(self, blob, i):
+    def full(self, blob, i, crc):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(ZipWriter, "append", full)

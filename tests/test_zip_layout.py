@@ -232,9 +232,10 @@ def test_writing_200k_samples_keeps_no_object_per_member(tmp_path):
     """The writer's own memory, driven directly (the Writer's index builder is not measured): numpy
     columns and a bounded central directory chunk, far below one ZipInfo per member."""
     blob = bytes(4)
+    crc = crc32(blob)
     index = SampleIndex(
         labels=np.zeros(BIG, np.int64), keys=encode_keys([f"{i:08d}" for i in range(BIG)]),
-        crc32=np.full(BIG, crc32(blob), np.uint32), offsets=np.arange(BIG + 1, dtype=np.int64) * 4,
+        crc32=np.full(BIG, crc, np.uint32), offsets=np.arange(BIG + 1, dtype=np.int64) * 4,
         positions=np.zeros(BIG, np.int64),
     )
     manifest = new_manifest("zip", "raw", BIG, CLASSES, TINY, None,
@@ -244,7 +245,7 @@ def test_writing_200k_samples_keeps_no_object_per_member(tmp_path):
     tracemalloc.start()
     try:
         for i in range(BIG):
-            writer.append(blob, i)
+            writer.append(blob, i, crc)
         writer.finish(index, manifest)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
@@ -388,3 +389,30 @@ def test_a_flipped_byte_in_an_index_array_fails_its_checksum(copy):
     flip_at(copy, data_offset(copy, "index/labels.npy") + npy_header + 8 * 17)  # label 17
     with pytest.raises(pf.CorruptArchiveError, match=r"damaged\.zip.*index array 'labels' is damaged"):
         pf.open_archive(copy)
+
+
+@pytest.mark.parametrize("fmt", pf.PACKED_FORMATS)
+def test_each_sample_checksum_is_computed_once_while_writing(tmp_path, monkeypatch, fmt):
+    """The CRC32 a sample's bytes get for the index is the one ZIP's local header records: adding
+    a sample computes it once in every format (ZIP computed it a second time for its header)."""
+    import importlib
+
+    from packed_formats import checksum
+
+    calls = []
+
+    def counted(data, value=0):
+        calls.append(len(data))
+        return crc32(data, value)
+
+    for name in ("base", "zip", "hdf5", "lmdb", "memmap", "sharded"):
+        module = importlib.import_module(f"packed_formats.backends.{name}")
+        if getattr(module, "crc32", None) is checksum.crc32:
+            monkeypatch.setattr(module, "crc32", counted)
+    with pf.open_writer(tmp_path / f"a.{fmt}", fmt, mode="raw", shape=TINY, classes=CLASSES) as writer:
+        for i in range(10):
+            writer.add(tiny_pixels(i), i % 3)
+        assert calls == [4] * 10  # once per sample, of its 4 bytes
+    with pf.open_archive(tmp_path / f"a.{fmt}") as reader:  # and the one CRC32 is what every check reads
+        assert [int(reader.index.crc32[i]) for i in range(10)] == [crc32(tiny_pixels(i).tobytes()) for i in range(10)]
+        assert pf.verify_archive(reader.path).ok

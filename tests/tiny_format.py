@@ -80,7 +80,7 @@ class TinyWriter(Writer):
         os.mkdir(temp_path)
         self._blob = open(os.path.join(temp_path, BLOB), "wb")
 
-    def append(self, blob: bytes, i: int) -> int:
+    def append(self, blob: bytes, i: int, crc: int) -> int:
         self._blob.write(blob)
         return -1
 

@@ -623,8 +623,9 @@ class Writer(WriteTransaction):
         """Create the archive at ``temp_path``."""
 
     @abc.abstractmethod
-    def append(self, blob: bytes, i: int) -> int:
-        """Store sample i's bytes; return its absolute file position or -1."""
+    def append(self, blob: bytes, i: int, crc: int) -> int:
+        """Store sample i's bytes (``crc``: their CRC32, computed once for the index and any format
+        that records it too); return its absolute file position or -1."""
 
     @abc.abstractmethod
     def finish(self, index: SampleIndex, manifest: ArchiveManifest) -> None:
@@ -659,8 +660,9 @@ class Writer(WriteTransaction):
         key = f"{i:08d}" if key is None else str(key)
         label = self._check_label(label, i, key)
         blob = self._to_blob(sample, i, key)
-        position = self.append(blob, i)
-        self._builder.append(label, key, crc32(blob), len(blob), position)
+        crc = crc32(blob)
+        position = self.append(blob, i, crc)
+        self._builder.append(label, key, crc, len(blob), position)
         return i
 
     def close(self) -> None:

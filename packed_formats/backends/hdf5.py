@@ -117,7 +117,7 @@ class HDF5Writer(Writer):
             self._capacity = max(needed, 2 * self._capacity, 64 if self.mode == "raw" else 1 << 20)
             self._data.resize(self._capacity, axis=0)
 
-    def append(self, blob: bytes, i: int) -> int:
+    def append(self, blob: bytes, i: int, crc: int) -> int:
         """Keep the sample until a block is full: h5py costs ~0.5 ms a call, so one write per
         sample made HDF5 20-30x slower to write than the other formats on small images."""
         self._pending.append(np.frombuffer(blob, dtype=np.uint8))
@@ -279,7 +279,7 @@ def _chunk_positions(data: h5py.Dataset) -> Optional[np.ndarray]:
         data.id.chunk_iter(note)
     except (OSError, ValueError, RuntimeError):
         return None
-    if (positions < 0).any():  # unwritten chunks read as fill values: not in the file
+    if positions.min() < 0:  # unwritten chunks read as fill values: not in the file (no N-byte temporary)
         return None
     return positions
 

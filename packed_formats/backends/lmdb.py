@@ -78,7 +78,7 @@ class LMDBWriter(Writer):
             self._env = self._open(info["map_size"])
             self._mapped_from = info["last_pgno"]
 
-    def append(self, blob: bytes, i: int) -> int:
+    def append(self, blob: bytes, i: int, crc: int) -> int:
         self._pending.append((sample_key(i), blob))
         if len(self._pending) >= _COMMIT_EVERY:
             self._commit(self._pending)

@@ -104,7 +104,7 @@ class MemmapWriter(Writer):
         self._file.write(b"\0" * _HEADER_BYTES)
         self._bytes = 0
 
-    def append(self, blob: bytes, i: int) -> int:
+    def append(self, blob: bytes, i: int, crc: int) -> int:
         self._file.write(blob)
         self._bytes += len(blob)
         return -1

@@ -132,11 +132,10 @@ class ZipWriter(Writer):
         self._kinds = Column(np.uint8)  # each sample's EXTENSIONS code
         self._metadata: Dict[str, Tuple[Place, int]] = {}  # the index and manifest members: place, CRC32
 
-    def append(self, blob: bytes, i: int) -> int:
+    def append(self, blob: bytes, i: int, crc: int) -> int:
         if i != len(self._kinds):
             raise ValueError(f"sample {i} appended after {len(self._kinds)} samples: samples come in order")
         kind = 0 if self.mode == "raw" else {"jpeg": 1, "png": 2}.get(sniff(blob) or "", 3)
-        crc = crc32(blob)
         header = local_header(member_name(i, EXTENSIONS[kind]).encode(), len(blob), crc, limit=self.zip64_limit)
         offset = self._write(header, blob)
         self._kinds.append(kind)
