@@ -20,8 +20,11 @@ def write_rows(path, positions, nbytes, size=None):
     return rows
 
 
+@pytest.mark.parametrize("with_torch", [True, False], ids=["torch", "numpy"])
 @pytest.mark.parametrize("positions", [[7, 107, 207, 307, 407], [3, 90, 250, 260, 400]], ids=["even", "uneven"])
-def test_a_gather_returns_the_rows_at_their_positions_in_the_asked_order(tmp_path, positions):
+def test_a_gather_returns_the_rows_at_their_positions_in_the_asked_order(tmp_path, monkeypatch, positions, with_torch):
+    """With torch where the process imported it, with numpy where it did not (the same rows)."""
+    monkeypatch.setattr(mapped, "torch_imported", lambda: with_torch)
     path = tmp_path / "rows.bin"
     rows = write_rows(path, positions, 10)
     fd = os.open(path, os.O_RDONLY)
@@ -29,7 +32,7 @@ def test_a_gather_returns_the_rows_at_their_positions_in_the_asked_order(tmp_pat
         mapping = mapped.MappedRows.of(fd, np.asarray(positions), 10)
     finally:
         os.close(fd)  # the map outlives the descriptor
-    assert (mapping.rows is not None) == (positions[0] == 7)  # even spacing: one strided view
+    assert (mapping.even is not None) == (positions[0] == 7)  # even spacing: one strided view
     idx = np.array([4, 0, 0, 2])
     out = np.full((4, 10), 255, dtype=np.uint8)
     mapping.gather(idx, out)

@@ -60,10 +60,16 @@ NO_TORCH = """
             with pf.open_archive(dst) as reader:
                 reader.read(0)
                 reader.read(len(reader) - 1)
+                batch = reader.read_many([len(reader) - 1, 0, 0])  # raw: gathered from the map, with numpy
+                assert np.array_equal(batch[1], reader.read(0)) if mode == "raw" else batch[1] == reader.read(0)
             assert pf.verify_archive(dst).ok
             assert main(["info", dst]) == 0 and main(["verify", dst]) == 0
     sharded = os.path.join(root, "set.zip")
     assert main(["convert", src, sharded, "--size", "24", "--shard-size", "4", "--workers", "2", "--quiet"]) == 0
+    raw_set = os.path.join(root, "raw-set.zip")
+    assert main(["convert", src, raw_set, "--mode", "raw", "--size", "24", "--shard-size", "4", "--quiet"]) == 0
+    with pf.open_archive(raw_set) as reader:
+        assert reader.read_many([len(reader) - 1, 0]).shape == (2, 24, 24, 3)
     with pf.open_writer(os.path.join(root, "written.lmdb"), mode="raw", shape=(4, 4, 3)) as writer:
         writer.add(np.zeros((4, 4, 3), np.uint8), 0)
     assert not attempts, attempts
@@ -72,9 +78,10 @@ NO_TORCH = """
 """
 
 
-def test_converting_writing_and_reading_single_samples_never_import_torch(tmp_path):
+def test_converting_writing_and_reading_never_import_torch(tmp_path):
     """torch costs ~0.5 GiB of resident memory and seconds to import: writers, the converter and
-    its workers, the decode check, info/verify and single reads must work without it."""
+    its workers, the decode check, info/verify, single reads and ``read_many`` (a numpy batch,
+    gathered from a map with numpy where torch is not loaded) must work without it."""
     assert "torch was never imported" in run_python(NO_TORCH, str(tmp_path))
 
 

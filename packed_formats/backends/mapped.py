@@ -2,11 +2,18 @@
 
 Once a process has touched the pages, ``torch.index_select`` over a mapped
 file gathers a shuffled batch as fast as from ordinary memory: 256 samples of
-256x256x3 in ~4 ms, against ~8-10 ms for one ``pread`` per sample and ~14 ms
-for ``numpy.take`` (measured on a warm 576 MiB archive).  memmap archives are
-laid out this way by definition; ZIP archives written here are too (equal
-member names, so equal local headers).  Samples at uneven positions (HDF5
-chunks, other ZIPs) are gathered with one ``torch.cat`` of their slices.
+256x256x3 in ~4 ms, against ~8-10 ms for one ``pread`` per sample (measured on
+a warm 576 MiB archive).  memmap archives are laid out this way by definition;
+ZIP archives written here are too (equal member names, so equal local
+headers).  Samples at uneven positions (HDF5 chunks, other ZIPs) are gathered
+with one ``torch.cat`` of their slices.
+
+torch is used only where the process has imported it already (a DataLoader,
+``PackedDataset``): ``Reader.read_many`` returns a numpy array, and a process
+that never imported torch gathers with numpy instead (``numpy.take`` with
+``mode="clip"``, the indices being checked already: ~5 ms for the batch above;
+with the default mode it buffers the whole batch and takes ~14-19 ms), so that
+reading batches never costs torch's import (~0.5 GiB, seconds).
 
 A mapped file truncated in place while it is read would kill the reader with
 SIGBUS.  Archives are only ever replaced whole (``os.replace``), which leaves
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import sys
 import warnings
 from typing import TYPE_CHECKING, Optional, Tuple
 
@@ -42,6 +50,11 @@ def check_file_size(fd: int, needed: int) -> None:
     size = os.fstat(fd).st_size
     if size < needed:
         raise FileTruncatedError(f"the file was truncated to {size} bytes while mapped ({needed} bytes)")
+
+
+def torch_imported() -> bool:
+    """Whether this process has imported torch: only then are batches gathered with it (see above)."""
+    return "torch" in sys.modules
 
 
 def gather(rows: "torch.Tensor", idx: np.ndarray, out: np.ndarray) -> None:
@@ -130,10 +143,13 @@ class MappedRows:
         return cls(mmap.mmap(fd, 0, access=mmap.ACCESS_READ), nbytes, positions)
 
     def gather(self, idx: np.ndarray, out: np.ndarray) -> None:
-        """out[j] = row idx[j] (``out`` C-contiguous); FileTruncatedError if the file shrank."""
+        """out[j] = row idx[j] (``out`` C-contiguous; every idx[j] a row); FileTruncatedError if the file shrank."""
+        self.check_size()
+        if not torch_imported():
+            self._gather_numpy(idx, out)
+            return
         import torch
 
-        self.check_size()
         flat, rows = self._tensors()
         if rows is not None:
             gather(rows, idx, out)
@@ -141,6 +157,18 @@ class MappedRows:
         assert self.positions is not None
         n = self.nbytes
         torch.cat([flat[p : p + n] for p in self.positions[idx].tolist()], out=torch.from_numpy(out).view(-1))
+
+    def _gather_numpy(self, idx: np.ndarray, out: np.ndarray) -> None:
+        assert self.data is not None, "gather after close()"
+        n, target = self.nbytes, out.reshape(len(idx), self.nbytes)
+        if self.even is not None:
+            count, step, start = self.even
+            rows = np.lib.stride_tricks.as_strided(self.data[start:], (count, n), (step, 1), writeable=False)
+            np.take(rows, idx, axis=0, out=target, mode="clip")  # "raise" would buffer the batch
+            return
+        assert self.positions is not None
+        for j, p in enumerate(self.positions[idx].tolist()):
+            target[j] = self.data[p : p + n]
 
     def check_size(self) -> None:
         """FileTruncatedError when the file no longer holds every mapped byte (reading them would SIGBUS)."""
