@@ -728,3 +728,58 @@ def test_info_of_a_webdataset_and_an_hdf5_with_options(tmp_path, image_folder, b
     webdataset_shards(tmp_path, folder_samples(image_folder))
     assert cli.main(["info", str(tmp_path / "shard-{0..1}.tar")]) == 0
     assert "source      webdataset: webdataset, 2 shards" in capsys.readouterr().out
+
+
+def _tricky_tree(root: str) -> str:
+    """Nested directories, non-image files, a name that is not UTF-8, links to directories (one a
+    loop, one a second way to a class), and names whose sort differs from their directories' walk."""
+    for path in ("b/z/9.png", "b/z/1.jpg", "b/a.b/2.PNG", "b/a/3.jpg", "b/x.jpg", "b/notes.txt", "a/1.jpeg",
+                 "a/deep/er/2.webp", "a/deep/er/readme", "c-empty/.keep"):
+        os.makedirs(os.path.join(root, os.path.dirname(path)), exist_ok=True)
+        open(os.path.join(root, path), "wb").close()
+    open(os.fsencode(os.path.join(root, "a")) + b"/\xff-latin1.jpg", "wb").close()
+    os.symlink("..", os.path.join(root, "b", "loop"))
+    os.symlink(os.path.join("..", "a"), os.path.join(root, "b", "again"))
+    return root
+
+
+def test_a_folder_is_listed_into_arrays_image_by_image_as_imagefolder_would(tmp_path):
+    from packed_formats.backends.folder import SourceLinkWarning, scan_image_folder
+
+    root = _tricky_tree(str(tmp_path / "tree"))
+    with pytest.warns(SourceLinkWarning):
+        classes, keys, labels, skipped = scan_image_folder(root)
+    assert keys.dtype.kind == "S" and labels.dtype == np.int64
+    listed = [k.decode("utf-8", "surrogateescape") for k in keys]
+    # by class, then directory, then name; the loop and the second way to class a left out
+    assert classes == ["a", "b", "c-empty"] and skipped == 3  # notes.txt, readme, .keep
+    assert listed == ["a/1.jpeg", "a/\udcff-latin1.jpg", "a/deep/er/2.webp",
+                      "b/x.jpg", "b/a/3.jpg", "b/a.b/2.PNG", "b/z/1.jpg", "b/z/9.png"]
+    assert labels.tolist() == [0, 0, 0, 1, 1, 1, 1, 1]
+    with pytest.warns(SourceLinkWarning):
+        source = open_source(root)
+    assert [source.key(i) for i in range(len(source))] == listed and source.skipped == 3
+
+
+LISTED_FILES = 40_000
+
+
+def test_listing_a_folder_holds_no_python_object_per_file(tmp_path):
+    """Listing LISTED_FILES empty files (40 directories) allocates about twice the keys' bytes plus
+    one directory's names, not a string (and its bytes) per file: a list of keys took ~8x the keys."""
+    import tracemalloc
+
+    root = tmp_path / "many"
+    for d in range(40):
+        os.makedirs(root / f"class{d:02d}")
+        for f in range(LISTED_FILES // 40):
+            open(root / f"class{d:02d}" / f"img_{d:02d}_{f:06d}.jpg", "wb").close()
+    tracemalloc.start()
+    try:
+        source = open_source(str(root))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(source) == LISTED_FILES and source.key(LISTED_FILES - 1) == "class39/img_39_000999.jpg"
+    keys_bytes = source.keys.nbytes
+    assert peak < 3 * keys_bytes + (512 << 10), f"listing took {peak >> 10} KiB for {keys_bytes >> 10} KiB of keys"

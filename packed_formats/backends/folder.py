@@ -26,29 +26,46 @@ def is_image_file(name: str) -> bool:
     return name.lower().endswith(IMAGE_EXTENSIONS)
 
 
-def scan_image_folder(root: str) -> Tuple[List[str], List[str], List[int], int]:
-    """(classes, relative image paths, labels, non-image files skipped) of an ImageFolder tree.
+def scan_image_folder(root: str) -> Tuple[List[str], np.ndarray, np.ndarray, int]:
+    """(classes, image paths relative to ``root``, labels, non-image files skipped) of an ImageFolder
+    tree, the paths as one fixed-width bytes array (as ``encode_keys`` makes them) and the labels int64.
 
-    Symbolic links to directories are followed, each real directory once: a
-    link back to a directory already being scanned (a loop) or to one scanned
-    already (a duplicate) is skipped with a warning naming it, so no image is
-    counted twice or under another class.  File names that are not valid
-    UTF-8 come through as Python's surrogate-escaped strings and round-trip.
+    Classes are the sorted sub-directories, images sorted by directory path, then file name.
+    Symbolic links to directories are followed, each real directory once: a link back to a
+    directory already being scanned (a loop) or to one scanned already (a duplicate) is skipped
+    with a warning naming it, so no image is counted twice or under another class.  File names
+    that are not valid UTF-8 are stored surrogate-escaped and round-trip.
+
+    Each directory's image names become a bytes array as soon as it is listed, and the keys are
+    made from those, directory by directory, into one array: at its peak the listing holds about
+    twice the keys' bytes, plus one directory's names as Python strings.
     """
     with os.scandir(root) as entries:
         classes = sorted(e.name for e in entries if e.is_dir() and not e.name.startswith("."))
-    keys: List[str] = []
-    labels: List[int] = []
+    listed: List[Tuple[str, int, bytes, np.ndarray]] = []  # (directory, label, its key prefix, image names)
     skipped = 0
     seen = {os.path.realpath(root)}
     for label, name in enumerate(classes):
-        for directory, files in sorted(_walk_once(os.path.join(root, name), seen)):
-            for file in files:
-                if is_image_file(file):
-                    keys.append(os.path.relpath(os.path.join(directory, file), root))
-                    labels.append(label)
-                else:
-                    skipped += 1
+        class_listing = []
+        for directory, files in _walk_once(os.path.join(root, name), seen):
+            images = [file for file in files if is_image_file(file)]
+            skipped += len(files) - len(images)
+            if images:
+                prefix = os.path.join(os.path.relpath(directory, root), "").encode("utf-8", "surrogateescape")
+                class_listing.append((directory, label, prefix, encode_keys(images)))
+            del files, images
+        listed += sorted(class_listing, key=lambda entry: entry[0])
+    count = sum(len(names) for *_, names in listed)
+    width = max([1] + [len(prefix) + names.itemsize for _, _, prefix, names in listed])
+    keys, labels = np.zeros(count, dtype=f"S{width}"), np.empty(count, dtype=np.int64)
+    rows = keys.view(np.uint8).reshape(count, width)
+    at = 0
+    for _, label, prefix, names in listed:
+        k, start = len(names), len(prefix)
+        rows[at : at + k, :start] = np.frombuffer(prefix, dtype=np.uint8)
+        rows[at : at + k, start : start + names.itemsize] = names.view(np.uint8).reshape(k, names.itemsize)
+        labels[at : at + k] = label
+        at += k
     return classes, keys, labels, skipped
 
 
@@ -116,14 +133,14 @@ class FolderBackend(Backend[FolderHandle]):
         if not os.path.isdir(path):
             raise ArchiveNotFoundError(path, "no such directory")
         classes, keys, labels, _ = scan_image_folder(path)
-        if not keys:
+        if not len(keys):
             raise UnknownFormatError(
                 path, "no images found in class sub-directories", hint="expected root/<class>/<image> files"
             )
         manifest = ArchiveManifest(
             format="folder", mode="encoded", count=len(keys), classes=tuple(classes), encoding="mixed", checksum=None
         )
-        index = SampleIndex(labels=np.asarray(labels, dtype=np.int64), keys=encode_keys(keys))
+        index = SampleIndex(labels=labels, keys=keys)
         return manifest, index
 
     def data_file(self) -> None:

@@ -5,6 +5,10 @@ each, sorted (``scan_image_folder``, like torchvision).  A folder holding a
 ``dataset.json`` of the form ``{"labels": [[path, label], ...]}`` takes its
 labels from it instead (its ``00000/`` sub-folders are no classes).
 Random access: each conversion worker reads its own files.
+
+The tree is listed into numpy arrays (``scan_image_folder``), one directory
+at a time: never a Python string per image, which at fourteen million files
+would cost the converting process gigabytes.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Optional
 
 from ..backends.folder import is_image_file, looks_like_image_folder, scan_image_folder
 from ..errors import ArchiveNotFoundError, CorruptSampleError, InvalidSourceError, UnknownFormatError
+from ..index import decode_key
 from .base import Source, SourceOptions
 from .layout import DATASET_JSON, dataset_json_layout, looks_like_dataset_json
 
@@ -43,7 +48,7 @@ class FolderSource(Source):
         if labels_json is not None:
             return cls._with_dataset_json(root, labels_json)
         classes, keys, labels, skipped = scan_image_folder(root)
-        if not keys:
+        if not len(keys):
             raise UnknownFormatError(
                 root, "no images found in class sub-directories", hint="expected root/<class>/<image>"
             )
@@ -54,7 +59,7 @@ class FolderSource(Source):
         _, keys, _, skipped = scan_image_folder(root)
         with os.scandir(root) as entries:
             own = sorted(e.name for e in entries if e.is_file() and e.name != DATASET_JSON)
-        names = [DATASET_JSON] + [n for n in own if is_image_file(n)] + keys
+        names = [DATASET_JSON] + [n for n in own if is_image_file(n)] + [decode_key(k) for k in keys]
         layout = dataset_json_layout(root, names, 0, content)
         skipped += len(own) - sum(map(is_image_file, own))
         return cls(root, layout.classes, layout.keys, layout.labels, skipped, layout.description)
@@ -86,3 +91,4 @@ def _dataset_json(root: str) -> Optional[bytes]:
     except OSError:
         return None
     return content if looks_like_dataset_json(content) else None
+
