@@ -271,6 +271,7 @@ def test_after_a_worker_error_the_loader_and_its_workers_go_with_the_last_refere
 
     gc.collect()
     gc.disable()
+    others = set(worker_pids(os.getpid()))  # processes other tests left running (a forkserver, say)
     try:
         loader = pf.make_loader(corrupt, batch_size=8, num_workers=2, shuffle=False, multiprocessing_context="fork")
         batches = iter(loader)
@@ -279,13 +280,13 @@ def test_after_a_worker_error_the_loader_and_its_workers_go_with_the_last_refere
                 pass
         except pf.CorruptSampleError as exc:
             assert exc.index == BAD
-        workers = worker_pids(os.getpid())
+        workers = set(worker_pids(os.getpid())) - others
         assert len(workers) == 2
         del loader, batches
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and set(workers) & set(worker_pids(os.getpid())):
+        while time.monotonic() < deadline and workers & set(worker_pids(os.getpid())):
             time.sleep(0.05)
-        assert not set(workers) & set(worker_pids(os.getpid()))
+        assert not workers & set(worker_pids(os.getpid()))
     finally:
         gc.enable()
 
