@@ -446,17 +446,14 @@ class CropFlipNormalize(Compose):
     ) -> None:
         if not isinstance(crop, RandomResizedCrop):
             raise TypeError(f"crop must be a RandomResizedCrop, got {type(crop).__name__}")
-        if flip is not None and not isinstance(flip, RandomHorizontalFlip):
-            raise TypeError(f"flip must be a RandomHorizontalFlip or None, got {type(flip).__name__}")
-        if not isinstance(normalize, (Normalize, ToFloat)):
-            raise TypeError(f"normalize must be a Normalize or ToFloat, got {type(normalize).__name__}")
+        _check_flip_and_normalize(flip, normalize)
         super().__init__([crop] + ([flip] if flip is not None else []) + [normalize], generator)
         self._parts = (crop, flip, normalize)  # a tuple: registered once, as the items of Compose
 
     def forward(
         self, batch: torch.Tensor, generator: Optional[torch.Generator] = None, allocate: Optional[Allocate] = None
     ) -> torch.Tensor:
-        if not self._fuses(batch):
+        if not _fuses(batch, self._parts[2]):
             return super().forward(batch, generator, allocate)
         generator = self._rng(generator)
         crop, flip, normalize = self._parts
@@ -467,9 +464,6 @@ class CropFlipNormalize(Compose):
         return F.crop_flip_to_float(
             batch, boxes, flips, crop.size, crop.antialias, normalize.dtype, scale, shift, allocate
         )
-
-    def _fuses(self, batch: torch.Tensor) -> bool:
-        return _fuses(batch, self._parts[2])
 
 
 class FlipNormalize(Compose):
@@ -486,10 +480,7 @@ class FlipNormalize(Compose):
         self, flip: Optional[RandomHorizontalFlip], normalize: Union[Normalize, ToFloat],
         generator: Optional[torch.Generator] = None,
     ) -> None:
-        if flip is not None and not isinstance(flip, RandomHorizontalFlip):
-            raise TypeError(f"flip must be a RandomHorizontalFlip or None, got {type(flip).__name__}")
-        if not isinstance(normalize, (Normalize, ToFloat)):
-            raise TypeError(f"normalize must be a Normalize or ToFloat, got {type(normalize).__name__}")
+        _check_flip_and_normalize(flip, normalize)
         super().__init__(([flip] if flip is not None else []) + [normalize], generator)
         self._parts = (flip, normalize)
 
@@ -504,6 +495,14 @@ class FlipNormalize(Compose):
         flips = flip.get_params(b, flip._rng(generator)) if flip is not None else None
         scale, shift = _scale_shift(normalize, batch, width)
         return F.crop_flip_to_float(batch, None, flips, (height, width), True, normalize.dtype, scale, shift, allocate)
+
+
+def _check_flip_and_normalize(flip: object, normalize: object) -> None:
+    """TypeError unless ``flip`` is a RandomHorizontalFlip or None and ``normalize`` a Normalize or ToFloat."""
+    if flip is not None and not isinstance(flip, RandomHorizontalFlip):
+        raise TypeError(f"flip must be a RandomHorizontalFlip or None, got {type(flip).__name__}")
+    if not isinstance(normalize, (Normalize, ToFloat)):
+        raise TypeError(f"normalize must be a Normalize or ToFloat, got {type(normalize).__name__}")
 
 
 def _fuses(batch: torch.Tensor, normalize: "Normalize | ToFloat") -> bool:
