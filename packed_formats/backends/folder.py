@@ -42,30 +42,24 @@ def scan_image_folder(root: str) -> Tuple[List[str], np.ndarray, np.ndarray, int
     """
     with os.scandir(root) as entries:
         classes = sorted(e.name for e in entries if e.is_dir() and not e.name.startswith("."))
-    listed: List[Tuple[str, int, bytes, np.ndarray]] = []  # (directory, label, its key prefix, image names)
+    parts: List[np.ndarray] = []  # the keys of each directory's images, in order
+    part_labels: List[int] = []
     skipped = 0
     seen = {os.path.realpath(root)}
     for label, name in enumerate(classes):
-        class_listing = []
+        listing = []
         for directory, files in _walk_once(os.path.join(root, name), seen):
             images = [file for file in files if is_image_file(file)]
             skipped += len(files) - len(images)
             if images:
                 prefix = os.path.join(os.path.relpath(directory, root), "").encode("utf-8", "surrogateescape")
-                class_listing.append((directory, label, prefix, encode_keys(images)))
+                listing.append((directory, np.char.add(prefix, encode_keys(images))))
             del files, images
-        listed += sorted(class_listing, key=lambda entry: entry[0])
-    count = sum(len(names) for *_, names in listed)
-    width = max([1] + [len(prefix) + names.itemsize for _, _, prefix, names in listed])
-    keys, labels = np.zeros(count, dtype=f"S{width}"), np.empty(count, dtype=np.int64)
-    rows = keys.view(np.uint8).reshape(count, width)
-    at = 0
-    for _, label, prefix, names in listed:
-        k, start = len(names), len(prefix)
-        rows[at : at + k, :start] = np.frombuffer(prefix, dtype=np.uint8)
-        rows[at : at + k, start : start + names.itemsize] = names.view(np.uint8).reshape(k, names.itemsize)
-        labels[at : at + k] = label
-        at += k
+        for _, keys in sorted(listing, key=lambda entry: entry[0]):
+            parts.append(keys)
+            part_labels.append(label)
+    keys = np.concatenate(parts) if parts else np.zeros(0, dtype="S1")  # as wide as the longest key
+    labels = np.repeat(np.array(part_labels, dtype=np.int64), [len(part) for part in parts])
     return classes, keys, labels, skipped
 
 

@@ -91,4 +91,3 @@ def _dataset_json(root: str) -> Optional[bytes]:
     except OSError:
         return None
     return content if looks_like_dataset_json(content) else None
-
