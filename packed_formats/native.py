@@ -39,16 +39,14 @@ def decode_jpeg(
     """A JPEG as HxWx3 uint8 RGB, or None when the native decoder should not or cannot decode it
     (the caller then asks Pillow, which decodes it or says why not).
 
-    ``min_size`` gets the stored (width, height), read from the header once, and gives the
-    (width, height) to decode at least: the smallest DCT scale still that large is used.
+    ``min_size`` gets the stored (width, height), read from the header (``jpeg_size``), and gives
+    the (width, height) to decode at least: the smallest DCT scale still that large is used.
     """
-    if simplejpeg is None:
+    stored = jpeg_size(data)
+    if stored is None:
         return None
+    least_width, least_height = (0, 0) if min_size is None else min_size(stored)
     try:
-        height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
-        if colorspace not in _NATIVE_COLORSPACES:
-            return None
-        least_width, least_height = (0, 0) if min_size is None else min_size((width, height))
         return simplejpeg.decode_jpeg(
             data, colorspace="RGB", min_width=least_width, min_height=least_height, strict=True
         )
