@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .index import chunks
+
 try:
     from isal.isal_zlib import crc32 as _crc32
 except ImportError:  # pragma: no cover - isal is a dependency where wheels exist
@@ -23,6 +25,9 @@ def crc32(data, value: int = 0) -> int:
 
 
 def array_crc32(array: "np.ndarray") -> int:
-    """CRC32 of an index array's dtype, shape and data: everything that decides what it reads back as."""
-    header = f"{array.dtype.str}{tuple(array.shape)}".encode()
-    return _crc32(np.ascontiguousarray(array).data, _crc32(header))
+    """CRC32 of an index array's dtype, shape and data: everything that decides what it reads back as
+    (a sharded archive's joined array piece by piece, never copied whole)."""
+    value = _crc32(f"{array.dtype.str}{tuple(array.shape)}".encode())
+    for chunk in chunks(array):
+        value = _crc32(chunk.data, value)
+    return value

@@ -167,21 +167,22 @@ class PackedDataset(torch.utils.data.Dataset):
 
     def _key_index(self, key: str) -> int:
         """The index of the sample stored under ``key``, by binary search of the keys in sorted order."""
-        keys = self.reader.index.keys
         wanted = key.encode("utf-8", "surrogateescape")
-        if len(wanted) <= keys.dtype.itemsize:  # a longer one would be cut to the width and could match
-            order = self._sorted_keys()
+        if len(wanted) <= self.reader.index.keys.dtype.itemsize:  # a longer one would be cut to the width
+            keys, order = self._sorted_keys()
             at = int(np.searchsorted(keys, wanted, sorter=order))
             if at < len(order) and keys[order[at]] == wanted:
                 return int(order[at])
         raise SampleIndexError(self.path, f"no sample has the key {key!r}", hint="take keys from dataset.samples")
 
-    def _sorted_keys(self) -> np.ndarray:
-        """The order that sorts the keys: made on the first lookup in each process, never pickled."""
+    def _sorted_keys(self) -> Tuple[np.ndarray, np.ndarray]:
+        """(the keys, the order that sorts them): made on the first lookup in each process, never pickled
+        (the keys of a sharded archive are joined into one array here, for the binary search)."""
         cache = self._cache.get()
         if "key_order" not in cache:
-            cache["key_order"] = np.argsort(self.reader.index.keys, kind="stable")
-        return cache["key_order"]
+            keys = np.asarray(self.reader.index.keys)
+            cache["keys"], cache["key_order"] = keys, np.argsort(keys, kind="stable")
+        return cache["keys"], cache["key_order"]
 
     def key(self, i: int) -> str:
         """The sample's original relative path."""

@@ -40,6 +40,7 @@ from .errors import (
     PackedFormatError,
     UnknownFormatError,
 )
+from .index import chunks
 from .space import archive_files, check_free_space, disk_usage
 from .verify import verify_archive
 
@@ -144,7 +145,8 @@ def fingerprint(reader: Reader) -> str:
         digest.update(f"{name}\0{size}\0".encode())
     for name, array in sorted(reader.index.arrays().items()):
         digest.update(f"{name}\0{array.dtype.str}\0{array.shape}\0".encode())
-        digest.update(array.tobytes())
+        for chunk in chunks(array):  # a sharded archive's joined array piece by piece
+            digest.update(chunk.data)
     return digest.hexdigest()
 
 

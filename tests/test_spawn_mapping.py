@@ -68,3 +68,54 @@ def test_a_spawned_child_reads_through_the_mapped_index(tmp_path, method):
     finally:
         child.join(timeout=30)
     assert got == (500, int(reader.read_many(np.arange(500)).sum()))
+
+
+# ---- a sharded archive: its index is its parts' own, joined, never concatenated --------------------------
+def _write_sharded(path, fmt: str, count: int, parts: int) -> str:
+    from packed_formats.backends.sharded import ShardedWriter
+
+    rng = np.random.default_rng(count)
+    size = -(-count // parts)
+    with ShardedWriter(path, fmt, shard_size=size, mode="raw", shape=(2, 2, 1), classes=("a", "b")) as writer:
+        for i in range(count):
+            writer.add(rng.integers(0, 256, (2, 2, 1), dtype=np.uint8), i % 2, f"class/{'x' * (i // size)}{i:07d}.png")
+    return os.fspath(path)
+
+
+@pytest.mark.parametrize("fmt", ["zip", "memmap"])
+def test_a_pickled_sharded_reader_does_not_grow_with_the_index(tmp_path, fmt):
+    small = pf.open_archive(_write_sharded(tmp_path / f"small.{fmt}", fmt, 40, parts=4))
+    large = pf.open_archive(_write_sharded(tmp_path / f"large.{fmt}", fmt, 20_000, parts=4))
+    assert all(part.index.mapped() for part in large.backend.parts)
+    sizes = len(pickle.dumps(small)), len(pickle.dumps(large))
+    assert sizes[1] < sizes[0] + 2048, f"pickled size grows with the index: {sizes}"
+    copy = pickle.loads(pickle.dumps(large))
+    for i in (0, 4_999, 5_000, 19_999):
+        assert np.array_equal(copy.read(i), large.read(i)) and copy.key(i) == large.key(i)
+    assert np.array_equal(copy.labels, large.labels) and np.array_equal(copy.index.crc32, large.index.crc32)
+
+
+def test_a_sharded_index_holds_no_copy_of_its_parts_arrays(tmp_path):
+    reader = pf.open_archive(_write_sharded(tmp_path / "a.zip", "zip", 3_000, parts=3))
+    for name in ("labels", "keys", "crc32"):
+        joined = getattr(reader.index, name)
+        assert joined.nbytes >= 3_000 and len(joined) == 3_000
+        assert all(a is b for a, b in zip(joined.parts, (getattr(p.index, name) for p in reader.backend.parts)))
+    # keys are as wide as each part's longest: the joined keys read back whole in every part
+    assert [reader.key(i) for i in (0, 999, 1_000, 2_999)] == [
+        "class/0000000.png", "class/0000999.png", "class/x0001000.png", "class/xx0002999.png"]
+    dataset = pf.PackedDataset(reader)
+    assert np.array_equal(np.asarray(dataset.loader("class/xx0002500.png")), np.asarray(dataset.loader(2_500)))
+
+
+@pytest.mark.parametrize("method", ["spawn"])
+def test_spawned_workers_of_a_sharded_archive_read_right_samples_and_labels(tmp_path, method):
+    path = _write_sharded(tmp_path / "a.lmdb", "lmdb", 600, parts=5)
+    reader = pf.open_archive(path)
+    loader = pf.make_loader(reader, batch_size=64, num_workers=2, shuffle=True, multiprocessing_context=method)
+    seen = []
+    for images, labels in loader:
+        for image, label in zip(images.permute(0, 2, 3, 1).numpy(), labels.tolist()):
+            seen.append((image.tobytes(), label))
+    expected = sorted((reader.read(i).tobytes(), i % 2) for i in range(600))
+    assert sorted(seen) == expected

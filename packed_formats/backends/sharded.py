@@ -10,6 +10,11 @@ archive of its own.  The sharded backend is a span layer over the parts'
 Readers (each with its own per-process handle), used through their public API
 only; the outer Reader checks checksums against the joined index.
 
+The joined index is the parts' own index arrays end to end (``JoinedArray``),
+never concatenated: each part's arrays stay mapped from its file, so opening
+the set holds no per-sample copy, and a spawn or forkserver worker receives the
+parts' descriptions and maps them again, not a pickled copy of the index.
+
 Open parts.  An open part holds one or two file descriptors (a file and its
 map, or LMDB's environment and a size check) in each process that reads it,
 and HDF5 some memory besides, so each process keeps at most ``max_open_parts``
@@ -43,7 +48,7 @@ import os
 import re
 import threading
 from collections import OrderedDict
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, cast
 
 import numpy as np
 
@@ -55,7 +60,7 @@ from ..errors import (
     TooManyOpenFilesError,
 )
 from ..handles import ProcessLocal
-from ..index import SampleIndex
+from ..index import JoinedArray, SampleIndex
 from ..manifest import ArchiveManifest
 from .base import Backend, FormatSpec, Handle, Reader, WriteTransaction, publish, remove_path, temp_path_for
 
@@ -356,13 +361,25 @@ def _joined_manifest(parts: List[Reader]) -> ArchiveManifest:
 
 
 def _joined_index(parts: List[Reader]) -> SampleIndex:
-    indexes = [p.index for p in parts]
-    crc = None if any(x.crc32 is None for x in indexes) else np.concatenate([x.crc32 for x in indexes])
+    """The parts' indexes end to end, each array a JoinedArray over the parts' own (no copy)."""
+    crc = None if any(p.index.crc32 is None for p in parts) else JoinedArray.of(_PartArrays(parts, "crc32"))
     return SampleIndex(
-        labels=np.concatenate([x.labels for x in indexes]),
-        keys=np.concatenate([x.keys for x in indexes]),
-        crc32=crc,
+        labels=cast(np.ndarray, JoinedArray.of(_PartArrays(parts, "labels"))),
+        keys=cast(np.ndarray, JoinedArray.of(_PartArrays(parts, "keys"))),
+        crc32=cast(Optional[np.ndarray], crc),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _PartArrays:
+    """One index array of each part, in order: what a joined array of a sharded index joins.
+    It pickles as the parts (each a description mapped again where it is unpickled)."""
+
+    parts: List[Reader]
+    name: str
+
+    def __call__(self) -> List[np.ndarray]:
+        return [getattr(part.index, self.name) for part in self.parts]
 
 
 def _sniff(path: str, head: Optional[bytes]) -> bool:

@@ -10,6 +10,8 @@ import os
 import re
 from typing import Optional, Tuple
 
+import numpy as np
+
 from ..backends import open_archive, sniff_format
 from ..backends.base import Reader
 from ..errors import InvalidSourceError
@@ -26,7 +28,8 @@ class PackedSource(Source):
     random_access = True
 
     def __init__(self, path: str, reader: Reader) -> None:
-        super().__init__(path, reader.classes, reader.index.keys, reader.labels, layout=f"{reader.format_name} archive")
+        keys = np.asarray(reader.index.keys)  # a sharded archive's, joined: the converter holds the whole index
+        super().__init__(path, reader.classes, keys, reader.labels, layout=f"{reader.format_name} archive")
         self.reader = reader
 
     @classmethod
