@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import io
+import math
 import mmap
 import os
 import sys
@@ -40,7 +42,7 @@ class ArrayAt:
 
     @property
     def count(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)  # not np.prod: ~10x faster, and a sharded set maps thousands of these
 
     @property
     def nbytes(self) -> int:
@@ -78,7 +80,28 @@ def map_arrays(fd: int, where: Dict[str, ArrayAt]) -> Dict[str, np.ndarray]:
 def npy_layout(read: Callable[[int], bytes]) -> Optional[Tuple[int, np.dtype, Tuple[int, ...]]]:
     """(header bytes, dtype, shape) of a .npy array whose first bytes ``read(n)`` gives, or None
     when it is not one that can be mapped as it lies (Fortran order, objects, a damaged header)."""
-    head = io.BytesIO(read(NPY_HEADER_MAX))
+    head = read(NPY_HEADER_MAX)
+    length = _npy_header_length(head)
+    return None if length is None else _parse_npy_header(head[:length])
+
+
+def _npy_header_length(head: bytes) -> Optional[int]:
+    """The length of the .npy header at the start of ``head`` (None: not a .npy header, or cut short)."""
+    if head[:6] != b"\x93NUMPY" or len(head) < 12:
+        return None
+    if head[6] == 1:
+        length = 10 + int.from_bytes(head[8:10], "little")
+    else:
+        length = 12 + int.from_bytes(head[8:12], "little")
+    return length if length <= len(head) else None
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_npy_header(header: bytes) -> Optional[Tuple[int, np.dtype, Tuple[int, ...]]]:
+    """(header bytes, dtype, shape) of a whole .npy header, parsed once for each distinct header: the
+    parts of a sharded set have the same few, and numpy parses each with ``ast.literal_eval``
+    (~75 us: 0.5 s for the index arrays of 1,400 parts)."""
+    head = io.BytesIO(header)
     try:
         version = np.lib.format.read_magic(head)
         if version == (1, 0):
