@@ -149,11 +149,18 @@ def _parse(text: "str | bytes") -> Any:
     of them would be 30M strings (~2 GiB) in every process that opens the set."""
     key, close, empty = (_CLASSES_KEY, "\n ]", "[]") if isinstance(text, str) else _CLASSES_KEY_BYTES
     start = text.find(key)  # type: ignore[arg-type]  # a string holds no raw newline: the top-level key
-    end = text.find(close, start) if start >= 0 else -1  # type: ignore[arg-type]  # back at one space
-    if end < 0:
+    if start < 0:
         return json.loads(text)
     opening = start + len(key) - 2
-    listed = text[opening : end + 3]  # '[\n  "a",\n  "b"\n ]'
+    for known in reversed(_RECENT_CLASSES):  # a list read recently, compared in place (no search, no hash)
+        if type(known) is type(text) and text.startswith(known, opening):  # type: ignore[arg-type]
+            listed, end = known, opening + len(known) - 3  # its first "\n ]" is its end, and so the text's
+            break
+    else:
+        end = text.find(close, start)  # type: ignore[arg-type]  # the list's end, back at one space
+        if end < 0:
+            return json.loads(text)
+        listed = text[opening : end + 3]  # '[\n  "a",\n  "b"\n ]'
     data = json.loads(text[:opening] + empty + text[end + 3 :])  # type: ignore[operator]
     if isinstance(data, dict):
         classes = _RECENT_CLASSES.get(listed)

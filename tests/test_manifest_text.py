@@ -75,3 +75,13 @@ def test_opening_a_sharded_set_reencodes_no_manifest_and_shares_its_classes(tmp_
         assert len(parts) == 10 and not encoded  # each part's stored text is checked as it lies
         assert all(part.manifest.classes is parts[0].manifest.classes for part in parts)
         assert reader.classes == classes and int(reader.read(29)[0, 0, 0]) == 29
+
+
+def test_class_lists_that_differ_only_at_the_end_read_back_as_their_own():
+    base = [f"n{k:08d}" for k in range(200)]
+    variants = [base, base[:-1] + ["n99999999"], base + ["extra"], base[:-1], base, ["n00000000"] + base[1:]]
+    for text_type in (str, bytes):
+        for classes in variants:
+            text = new_manifest("zip", "raw", 3, classes, (2, 2, 1), None).to_json()
+            parsed = ArchiveManifest.from_json(text if text_type is str else text.encode())
+            assert parsed.classes == tuple(classes)
