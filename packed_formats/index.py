@@ -69,7 +69,7 @@ class SampleIndex:
         return int(self.offsets[i + 1] - self.offsets[i])
 
 
-class JoinedArray:
+class JoinedArray(np.lib.mixins.NDArrayOperatorsMixin):
     """A read-only 1-D array that is its parts one after another, never copied whole unless asked.
 
     A sharded archive's index is its parts' indexes end to end.  Concatenated,
@@ -81,8 +81,8 @@ class JoinedArray:
     What readers do with an index array, it does without a copy of the whole:
     ``len``, ``dtype``, ``shape``, ``nbytes``, an element, a slice, and an
     array of indices (a batch's labels: each part's rows gathered in place).
-    Anything else (``np.asarray``, ``np.bincount``, ``tolist()``...) works on
-    the whole concatenation, made for that call.  Parts of one field may differ
+    Anything else (``np.asarray``, ``np.bincount``, ``tolist()``, ``==``,
+    ``+``...) works on the whole concatenation, made for that call.  Parts of one field may differ
     in width (keys are as wide as each part's longest): the join has the widest.
 
     ``source`` gives the parts' arrays (asked once in each process: a pickled
@@ -169,6 +169,13 @@ class JoinedArray:
             mask = owner == p
             out[mask] = parts[p][idx[mask] - self.starts[p]]
         return out
+
+    def __array_ufunc__(self, ufunc: np.ufunc, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        """Operators and ufuncs (``labels == 3``, ``np.add``...) on the concatenation; it is read-only."""
+        if any(isinstance(o, JoinedArray) for o in kwargs.get("out", ())):
+            raise ValueError("a joined index array is read-only")
+        arrays = tuple(np.asarray(x) if isinstance(x, JoinedArray) else x for x in inputs)
+        return getattr(ufunc, method)(*arrays, **kwargs)
 
     def __iter__(self) -> Iterator[Any]:
         for chunk in self.chunks():

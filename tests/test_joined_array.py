@@ -80,3 +80,18 @@ def test_it_asks_its_source_once_and_pickles_without_the_parts_arrays(pair):
     assert state["_parts"] is None  # pickled, the parts come from the source again where it is unpickled
     copy = pickle.loads(pickle.dumps(joined))
     assert np.array_equal(np.asarray(copy), whole)
+
+
+def test_comparisons_operators_and_ufuncs_work_on_the_concatenation(pair):
+    joined, whole = pair
+    other = whole[0]
+    assert np.array_equal(joined == other, whole == other) and np.array_equal(joined != other, whole != other)
+    assert np.array_equal(joined >= other, whole >= other) and np.array_equal(other < joined, other < whole)
+    if whole.dtype.kind == "i":
+        assert np.array_equal(joined + 1, whole + 1) and np.array_equal(np.maximum(joined, 3), np.maximum(whole, 3))
+        assert int(np.sum(joined == 4)) == int(np.sum(whole == 4))
+        assert np.bincount(joined - whole.min()).sum() == len(whole)
+        with pytest.raises(ValueError, match="read-only"):
+            np.negative(whole, out=joined)
+    with pytest.raises(TypeError):
+        joined[0] = whole[0]
