@@ -49,7 +49,16 @@ def test_a_sharded_write_makes_the_parts_asked_for(tmp_path):
     path = str(tmp_path / "set.zip")
     scale.probe_write({"format": "zip", "path": path, "count": 100, "shape": [4, 4, 3], "shards": 3})
     with pf.open_archive(path) as reader:
-        assert len(reader) == 100 and len(reader.files()) == 1 + 3
+        assert len(reader) == 100 and len(reader.files()) == 1 + 3 and len(reader.classes) == 10
+
+
+def test_the_classes_asked_for_label_the_samples_and_fill_every_manifest(tmp_path):
+    path = str(tmp_path / "set.zip")
+    scale.probe_write({"format": "zip", "path": path, "count": 600, "shape": [4, 4, 3], "shards": 3, "classes": 500})
+    with pf.open_archive(path) as reader:
+        assert reader.classes == [f"class{k}" for k in range(500)]
+        assert [part.manifest.classes for part in reader.backend.parts] == [tuple(reader.classes)] * 3
+        assert int(reader.labels[503]) == 3 and reader.key(499) == "class499/img_00000499.png"
 
 
 def test_the_peak_restarts_where_the_process_stands():
@@ -87,6 +96,7 @@ def test_dataloader_workers_are_found_and_measured(tmp_path):
     (["--scale", "10", "--dir", "/no/such/dir"], "no such directory"),
     (["--scale", "10", "--plot", "p.png"], "--plot"),
     (["some.zip", "--keep"], "only apply with --scale"),
+    (["some.zip", "--classes", "5"], "only apply with --scale"),
 ])
 def test_bad_scale_options_are_one_line_errors(capsys, args, says):
     assert main(["bench", *args]) == 2

@@ -33,7 +33,9 @@ format's memory never pollutes another's.  The columns:
 - fds main/worker: the peak number of open file descriptors (/proc/PID/fd) of
   the measuring process and of its busiest worker, sampled after every batch
   of a full shuffled epoch through ``make_loader`` (first start method).  With
-  ``--shards P`` the archive is a sharded set of P parts.
+  ``--shards P`` the archive is a sharded set of P parts; with ``--classes K``
+  the samples are labelled with K classes (10 by default), whose names every
+  manifest lists (every part's, in a sharded set).
 
 Only the public API is used (``open_writer``, ``ShardedWriter``,
 ``open_archive``, ``PackedDataset``, ``make_loader``), so the tool measures the
@@ -56,7 +58,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import numpy as np
 
 SHAPE = (4, 4, 3)
-CLASSES = tuple(f"class{k}" for k in range(10))
+CLASSES = 10  # classes of the samples written, by default (``--classes K``)
 LOADERS = ("dataset", "make_loader")
 RESULT_MARK = "packed-formats-scale-result "
 MIB = 2**20
@@ -72,6 +74,7 @@ class ScaleConfig:
     batch_size: int = 64
     start_methods: Sequence[str] = ("fork", "spawn")
     shards: Optional[int] = None
+    classes: int = CLASSES
     directory: Optional[str] = None  # where to write; None: a temporary directory
     keep: bool = False
     few_batches: int = 4  # batches read before worker memory is measured
@@ -91,6 +94,8 @@ class ScaleConfig:
             raise ValueError("--scale measures DataLoader workers: give --workers of at least 1")
         if self.batch_size < 1:
             raise ValueError("batch-size must be at least 1")
+        if self.classes < 1:
+            raise ValueError("--classes must be at least 1")
         if self.shards is not None and not 1 <= self.shards <= self.count:
             raise ValueError(f"--shards must be between 1 and the number of samples ({self.count})")
         if self.directory is not None and not os.path.isdir(self.directory):
@@ -141,7 +146,8 @@ def measure_format(fmt: str, directory: str, config: ScaleConfig, log: Callable[
                            "errors": [], "loaders": {name: {} for name in LOADERS}}
     log(f"{fmt}: writing {config.count} samples" + (f" in {config.shards} parts" if config.shards else ""))
     row["write"] = _measured(row, "write", "write", {"format": fmt, "path": path, "count": config.count,
-                                                     "shape": list(config.shape), "shards": config.shards}, config)
+                                                     "shape": list(config.shape), "shards": config.shards,
+                                                     "classes": config.classes}, config)
     if row["write"] is None:
         return row
     log(f"{fmt}: opening")
@@ -282,12 +288,18 @@ def synthetic_samples(count: int, shape: Sequence[int], chunk: int = 8192) -> It
         yield from rng.integers(0, 256, size=(min(chunk, count - start), *shape), dtype=np.uint8)
 
 
-def open_output(fmt: str, path: str, count: int, shape: Sequence[int], shards: Optional[int]):
+def class_names(count: int) -> Tuple[str, ...]:
+    """The names of ``count`` classes: class0, class1..."""
+    return tuple(f"class{k}" for k in range(count))
+
+
+def open_output(fmt: str, path: str, count: int, shape: Sequence[int], shards: Optional[int],
+                classes: Sequence[str] = class_names(CLASSES)):
     """The library's writer for a raw archive (a sharded set of ``shards`` parts when given)."""
     from ..backends import open_writer
     from ..backends.sharded import ShardedWriter
 
-    options: Dict[str, Any] = {"mode": "raw", "shape": tuple(shape), "classes": CLASSES}
+    options: Dict[str, Any] = {"mode": "raw", "shape": tuple(shape), "classes": tuple(classes)}
     if shards:
         return ShardedWriter(path, fmt, shard_size=math.ceil(count / shards), **options)
     return open_writer(path, fmt, **options)
@@ -299,10 +311,11 @@ def probe_write(args: Dict[str, Any]) -> Dict[str, Any]:
     reset = reset_peak()  # first: the peak is then at least every RSS after it, the baseline included
     baseline = status_bytes("VmRSS")
     started = time.perf_counter()
-    with open_output(args["format"], args["path"], count, args["shape"], args["shards"]) as writer:
+    names = class_names(args.get("classes", CLASSES))
+    with open_output(args["format"], args["path"], count, args["shape"], args["shards"], names) as writer:
         for i, image in enumerate(synthetic_samples(count, args["shape"])):
-            label = i % len(CLASSES)
-            writer.add(image, label, f"{CLASSES[label]}/img_{i:08d}.png")
+            label = i % len(names)
+            writer.add(image, label, f"{names[label]}/img_{i:08d}.png")
     seconds = time.perf_counter() - started
     peak = status_bytes("VmHWM")
     return {"seconds": seconds, "peak_rss_bytes": peak, "baseline_rss_bytes": baseline,

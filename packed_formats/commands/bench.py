@@ -116,6 +116,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     scale.add_argument("--formats", type=_formats, default=None, help="comma-separated formats (all packed formats)")
     scale.add_argument("--shards", type=_positive, default=None, metavar="P",
                        help="write each archive as a sharded set of P parts")
+    scale.add_argument("--classes", type=_positive, default=None, metavar="K",
+                       help="label the samples with K classes (10), listed in every manifest")
     scale.add_argument("--dir", default=None, help="write the archives under this directory (a temporary one)")
     scale.add_argument("--keep", action="store_true", help="keep the archives written (removed otherwise)")
     scale.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
@@ -153,7 +155,7 @@ def _check_mode(args: argparse.Namespace) -> None:
     if args.scale is None:
         if not args.paths:
             raise ValueError("give the archives or ImageFolder trees to time, or --scale N")
-        given = [f"--{name}" for name in ("formats", "shards", "dir") if getattr(args, name) is not None]
+        given = [f"--{name}" for name in ("formats", "shards", "classes", "dir") if getattr(args, name) is not None]
         given += [f"--{name}" for name in ("keep", "json") if getattr(args, name)]
         if given:
             raise ValueError(f"{', '.join(given)} only apply with --scale N")
@@ -168,12 +170,14 @@ def _check_mode(args: argparse.Namespace) -> None:
 
 def _run_at_scale(args: argparse.Namespace) -> int:
     """``bench --scale N``: the table (or JSON) of ``bench.scale``; 1 if any measurement failed."""
+    from ..bench import scale as scale_defaults
     from ..bench.scale import ScaleConfig, format_scale_table, run_scale
 
     _check_outputs(args)
     config = ScaleConfig(
         count=args.scale, formats=args.formats or (), workers=args.workers[0] if args.workers else 2,
-        batch_size=args.batch_size, shards=args.shards, directory=args.dir, keep=args.keep,
+        batch_size=args.batch_size, shards=args.shards, classes=args.classes or scale_defaults.CLASSES,
+        directory=args.dir, keep=args.keep,
         start_methods=(args.start_method,) if args.start_method else ("fork", "spawn"),
     )
     results = run_scale(config)
