@@ -7,6 +7,7 @@ label)`` items and the same attributes, with the per-sample ones (``targets``,
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import os
 from collections.abc import Sequence
@@ -20,7 +21,7 @@ from . import codecs, policy
 from .backends import open_archive, sniff_format
 from .backends.base import Reader
 from .backends.folder import IMAGE_EXTENSIONS
-from .errors import ArchiveNotFoundError, SampleIndexError
+from .errors import ArchiveNotFoundError, PackedFormatError, SampleIndexError, note_fields
 from .handles import ProcessLocal
 from .index import SampleIndex, decode_key
 
@@ -196,14 +197,16 @@ class PackedDataset(torch.utils.data.Dataset):
 
     # ---- samples ----------------------------------------------------------------------
     def __getitem__(self, i: int) -> Tuple[Any, Any]:
-        i = self.reader.check_index(i)
-        return self._sample(self.reader.read(i), i)
+        with _fields_noted_in_workers():
+            i = self.reader.check_index(i)
+            return self._sample(self.reader.read(i), i)
 
     def __getitems__(self, indices: Sequence[int]) -> List[Tuple[Any, Any]]:
         """The same list ``[self[i] for i in indices]`` would give, read as one batch."""
-        idx = self.reader.check_indices(indices)
-        stored = self.reader.read_many(idx)
-        return [self._sample(stored[j], int(i)) for j, i in enumerate(idx)]
+        with _fields_noted_in_workers():
+            idx = self.reader.check_indices(indices)
+            stored = self.reader.read_many(idx)
+            return [self._sample(stored[j], int(i)) for j, i in enumerate(idx)]
 
     def _sample(self, stored: Any, i: int) -> Tuple[Any, Any]:
         image = self._to_output(stored, i, self.output)
@@ -447,3 +450,16 @@ class SampleList(_IndexRows):
 
     def __repr__(self) -> str:
         return self._summary("SampleList")
+
+
+@contextlib.contextmanager
+def _fields_noted_in_workers() -> Iterator[None]:
+    """In a DataLoader worker, an archive error leaves with its fields noted in its traceback text
+    (``errors.note_fields``), so that the one torch raises in the main process still names the
+    path, sample index and key."""
+    try:
+        yield
+    except PackedFormatError as error:
+        if torch.utils.data.get_worker_info() is not None:
+            note_fields(error)
+        raise

@@ -7,6 +7,7 @@ without a traceback.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Optional
 
@@ -17,7 +18,10 @@ class PackedFormatError(Exception):
     ``PackedFormatError(path, problem, index=, key=, hint=)``; a single argument
     is taken as a whole message (how torch's DataLoader re-raises a worker's
     exception in the main process), so the class survives the crossing and
-    ``except pf.CorruptSampleError`` works with ``num_workers > 0`` too.
+    ``except pf.CorruptSampleError`` works with ``num_workers > 0`` too.  When
+    that message carries the fields' note (``note_fields``, which a
+    PackedDataset adds in a worker), the path, index, key and hint come back
+    from it as well.
     """
 
     def __init__(
@@ -30,9 +34,12 @@ class PackedFormatError(Exception):
         hint: Optional[str] = None,
     ) -> None:
         if problem is None:  # one argument: a complete message
-            self.path, self.problem = None, "" if path is None else os.fspath(path)
-            self.index, self.key, self.hint = index, key, hint
-            super().__init__(self.problem)
+            message = "" if path is None else os.fspath(path)
+            noted = _noted_fields(message) or {"path": None, "problem": message, "index": index, "key": key,
+                                                "hint": hint}
+            self.path, self.problem, self.index = noted["path"], noted["problem"], noted["index"]
+            self.key, self.hint = noted["key"], noted["hint"]
+            super().__init__(message)
             return
         self.path = None if path is None else os.fspath(path)
         self.problem = problem
@@ -73,6 +80,42 @@ class PackedFormatError(Exception):
 
 def _rebuild(cls, path, problem, index, key, hint):
     return cls(path, problem, index=index, key=key, hint=hint)
+
+
+FIELDS_NOTE = "packed_formats error fields: "
+
+
+def note_fields(error: PackedFormatError) -> None:
+    """Add the error's fields to its traceback text as a note (Python 3.11 on; once).
+
+    torch's DataLoader hands a worker's exception to the main process as its
+    class and its traceback text, and raises ``cls(text)`` there: the note is
+    how the path, sample index and key cross with it (see the one-argument
+    form of PackedFormatError)."""
+    add_note = getattr(error, "add_note", None)
+    if add_note is None or any(note.startswith(FIELDS_NOTE) for note in getattr(error, "__notes__", ())):
+        return
+    fields = {"path": error.path, "problem": error.problem, "index": error.index, "key": error.key, "hint": error.hint}
+    add_note(FIELDS_NOTE + json.dumps(fields))
+
+
+def _noted_fields(message: str) -> Optional[dict]:
+    """The fields ``note_fields`` wrote into ``message`` (its last such line), or None."""
+    at = message.rfind("\n" + FIELDS_NOTE)
+    if at < 0:
+        return None
+    line = message[at + 1 + len(FIELDS_NOTE) :].split("\n", 1)[0]
+    try:
+        fields = json.loads(line)
+    except ValueError:
+        return None
+    types = {"path": (str, type(None)), "problem": (str,), "index": (int, type(None)), "key": (str, type(None)),
+             "hint": (str, type(None))}
+    if not isinstance(fields, dict) or set(fields) != set(types):
+        return None
+    if not all(isinstance(fields[name], kinds) for name, kinds in types.items()):
+        return None
+    return fields
 
 
 class ArchiveNotFoundError(PackedFormatError, FileNotFoundError):

@@ -123,6 +123,19 @@ def test_a_workers_corrupt_sample_error_is_caught_as_one_in_the_main_process(arc
     with pytest.raises(pf.CorruptSampleError, match="bad.zip") as error:
         list(loader)
     assert "index 3" in str(error.value) and "checksum mismatch" in str(error.value)
+    if sys.version_info >= (3, 11):  # the fields cross in a note of the traceback text
+        with pf.open_archive(archives[("zip", "raw")]) as reader:
+            key = reader.key(3)
+        assert (error.value.path, error.value.index, error.value.key) == (path, 3, key)
+        assert error.value.problem.startswith("checksum mismatch") and error.value.hint
+
+
+def test_a_message_without_the_fields_note_or_with_a_damaged_one_keeps_only_the_message():
+    from packed_formats.errors import FIELDS_NOTE
+
+    for message in ("plain text", f"text\n{FIELDS_NOTE}{{not json", f"text\n{FIELDS_NOTE}{{\"path\": 3}}"):
+        error = pf.CorruptSampleError(message)
+        assert (error.path, error.index, error.key, error.problem, str(error)) == (None, None, None, message, message)
 
 
 # ---- every byte that decides a sample is checksummed: index arrays and the manifest -------------------------
