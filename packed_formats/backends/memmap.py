@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import mmap
 import os
-from typing import List, Optional, Tuple
+from typing import BinaryIO, List, Optional, Tuple
 
 import numpy as np
 
@@ -49,17 +49,27 @@ def _npy_header(shape: Tuple[int, ...]) -> bytes:
     return b"\x93NUMPY\x01\x00" + len(body).to_bytes(2, "little") + body.encode("latin1")
 
 
+def _read_npy_header(file: BinaryIO) -> Tuple[Tuple[int, ...], bool, np.dtype, int]:
+    """(shape, Fortran order, dtype, data offset) of the .npy file open at its start: parsed once for
+    each distinct header (``index_map.npy_layout``; the parts of a sharded set share a few), numpy's
+    own parse where that declines (Fortran order, objects, damage), for its precise error."""
+    layout = index_map.npy_layout(file.read)
+    if layout is not None:
+        offset, dtype, shape = layout
+        return shape, False, dtype, offset
+    file.seek(0)
+    version = np.lib.format.read_magic(file)
+    read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, fortran, dtype = read_header(file)
+    return shape, fortran, dtype, file.tell()
+
+
 class MappedNpy(Handle):
     """A read-only memory map of one .npy file and the array over it (memmap's per-process handle)."""
 
     def __init__(self, path: str) -> None:
         with open(path, "rb") as file:
-            version = np.lib.format.read_magic(file)
-            read_header = (
-                np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-            )
-            shape, fortran, dtype = read_header(file)
-            offset = file.tell()
+            shape, fortran, dtype, offset = _read_npy_header(file)
             nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
             st = os.fstat(file.fileno())
             self.identity, size = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns), st.st_size
@@ -139,7 +149,7 @@ class MemmapBackend(Backend[MappedNpy]):
                 raise IncompleteArchiveError(path, "no manifest.json: the archive was never sealed")
             raise UnknownFormatError(path, "not a packed_formats memmap archive (no manifest.json)")
         try:
-            with open(manifest_path) as file:
+            with open(manifest_path, "rb") as file:  # bytes: from_json reads them without a decoded copy
                 manifest = ArchiveManifest.from_json(file.read(), path=path)
             arrays = {}
             for name in _INDEX_NAMES:
