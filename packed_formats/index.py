@@ -146,8 +146,8 @@ class JoinedArray(np.lib.mixins.NDArrayOperatorsMixin):
             i = i + len(self) if i < 0 else i
             if not 0 <= i < len(self):
                 raise IndexError(f"index {key} is out of bounds for a joined array of {len(self)}")
-            p = int(np.searchsorted(self.starts, i, side="right")) - 1
-            return self.parts[p][i - int(self.starts[p])]
+            p, j = part_of(self.starts, i)
+            return self.parts[p][j]
         idx = np.asarray(key)
         if idx.dtype == bool:
             if idx.shape != self.shape:
@@ -163,11 +163,9 @@ class JoinedArray(np.lib.mixins.NDArrayOperatorsMixin):
         if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
             raise IndexError(f"an index is out of bounds for a joined array of {len(self)}")
         out = np.empty(len(idx), dtype=self.dtype)
-        owner = np.searchsorted(self.starts, idx, side="right") - 1
         parts = self.parts
-        for p in np.unique(owner).tolist():
-            mask = owner == p
-            out[mask] = parts[p][idx[mask] - self.starts[p]]
+        for p, mask, local in by_part(self.starts, idx):
+            out[mask] = parts[p][local]
         return out
 
     def __array_ufunc__(self, ufunc: np.ufunc, method: str, *inputs: Any, **kwargs: Any) -> Any:
@@ -188,6 +186,21 @@ class JoinedArray(np.lib.mixins.NDArrayOperatorsMixin):
 
     def __repr__(self) -> str:
         return f"JoinedArray({len(self)} rows of {self.dtype} in {len(self.starts) - 1} parts)"
+
+
+def part_of(starts: np.ndarray, i: int) -> Tuple[int, int]:
+    """(the part holding row i, i's row in it), for parts whose first rows are ``starts``
+    (with the total at the end)."""
+    p = int(np.searchsorted(starts, i, side="right")) - 1
+    return p, i - int(starts[p])
+
+
+def by_part(starts: np.ndarray, idx: np.ndarray) -> Iterator[Tuple[int, np.ndarray, np.ndarray]]:
+    """(part, mask of ``idx`` in it, those rows in the part) for each part that rows ``idx`` touch."""
+    owner = np.searchsorted(starts, idx, side="right") - 1
+    for p in np.unique(owner).tolist():
+        mask = owner == p
+        yield p, mask, idx[mask] - starts[p]
 
 
 def chunks(array: "np.ndarray | JoinedArray") -> Iterator[np.ndarray]:

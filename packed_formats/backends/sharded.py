@@ -60,7 +60,7 @@ from ..errors import (
     TooManyOpenFilesError,
 )
 from ..handles import ProcessLocal
-from ..index import JoinedArray, SampleIndex
+from ..index import JoinedArray, SampleIndex, by_part, part_of
 from ..manifest import ArchiveManifest
 from .base import Backend, FormatSpec, Handle, Reader, WriteTransaction, publish, remove_path, temp_path_for
 
@@ -276,25 +276,17 @@ class ShardedBackend(Backend[ShardedHandle]):
     # ---- reading ----
     def locate(self, i: int) -> Tuple[Reader, int]:
         """The part holding sample i, and i's index in it."""
-        p, j = self._place(i)
+        p, j = part_of(self.starts, i)
         return self.parts[p], j
 
-    def _place(self, i: int) -> Tuple[int, int]:
-        """(the number of the part holding sample i, i's index in it)."""
-        p = int(np.searchsorted(self.starts, i, side="right")) - 1
-        return p, i - int(self.starts[p])
-
     def read(self, handle: ShardedHandle, i: int) -> bytes:
-        p, j = self._place(i)
+        p, j = part_of(self.starts, i)
         with self._part(p) as part:
             return part.read_bytes(j)
 
     def read_batch(self, handle: ShardedHandle, idx: np.ndarray, out: np.ndarray) -> None:
-        owner = np.searchsorted(self.starts, idx, side="right") - 1
-        for p in np.unique(owner):
-            mask = owner == p
-            local = idx[mask] - self.starts[p]
-            with self._part(int(p)) as part:
+        for p, mask, local in by_part(self.starts, idx):
+            with self._part(p) as part:
                 if mask.all():
                     part.read_many(local, out=out)
                 else:
