@@ -211,6 +211,12 @@ def status_bytes(field: str, pid: "int | str" = "self") -> int:
     raise ValueError(f"/proc/{pid}/status has no {field}")
 
 
+def peak_rss(*seen: int) -> int:
+    """This process's peak RSS since ``reset_peak``: VmHWM, but never less than an RSS read since (the
+    kernel folds RSS into VmHWM lazily, so a VmHWM read can trail an earlier VmRSS by a few pages)."""
+    return max([status_bytes("VmHWM"), status_bytes("VmRSS"), *seen])
+
+
 def reset_peak() -> bool:
     """Restart this process's VmHWM at its current RSS, so a peak measures what follows (False if refused)."""
     try:
@@ -317,7 +323,7 @@ def probe_write(args: Dict[str, Any]) -> Dict[str, Any]:
             label = i % len(names)
             writer.add(image, label, f"{names[label]}/img_{i:08d}.png")
     seconds = time.perf_counter() - started
-    peak = status_bytes("VmHWM")
+    peak = peak_rss(baseline)
     return {"seconds": seconds, "peak_rss_bytes": peak, "baseline_rss_bytes": baseline,
             "peak_growth_bytes": peak - baseline if reset else None}
 
@@ -338,7 +344,7 @@ def probe_open(args: Dict[str, Any]) -> Dict[str, Any]:
         "open_s": opened - started, "first_read_s": read - opened, "seconds": read - started,
         "rss_growth_bytes": after["VmRSS"] - before["VmRSS"], "anon_growth_bytes": after["RssAnon"] - before["RssAnon"],
         "file_growth_bytes": after["RssFile"] - before["RssFile"],
-        "peak_growth_bytes": status_bytes("VmHWM") - before["VmRSS"] if reset else None,
+        "peak_growth_bytes": peak_rss(before["VmRSS"], after["VmRSS"]) - before["VmRSS"] if reset else None,
         "index_bytes": sum(int(a.nbytes) for a in reader.index.arrays().values()),
         "count": len(reader), "files": len(reader.files()),
     }
