@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Deque, Iterator, Optional, Tuple, Union
+from typing import Any, Callable, Deque, Iterator, Optional, Tuple, Union
 
 import torch
 
@@ -11,6 +11,17 @@ from .transforms import apply_with_labels
 
 Batch = Tuple[torch.Tensor, torch.Tensor]  # (images, labels)
 Generators = Callable[[int], torch.Generator]  # batch number -> the generator of its random transforms
+# a host batch's images -> (its images on the device, the generator its transform continues, or None)
+Decoder = Callable[[Any, torch.device], Tuple[torch.Tensor, Optional[torch.Generator]]]
+
+
+def to_device(images: Any, device: torch.device, decoder: Optional[Decoder], non_blocking: bool = True
+              ) -> Tuple[torch.Tensor, Optional[torch.Generator]]:
+    """A host batch's images on ``device``: copied (``non_blocking``: asynchronous from pinned memory),
+    or decoded there by ``decoder`` (an ``EncodedBatch``: ``device_decode``)."""
+    if decoder is not None:
+        return decoder(images, device)
+    return images.to(device, non_blocking=non_blocking), None
 
 
 def resolve_device(device: Union[str, torch.device]) -> torch.device:
@@ -36,17 +47,21 @@ def in_memory_format(images: torch.Tensor, memory_format: Optional[torch.memory_
 
 def copy_then_transform(host: Iterator[Batch], device: torch.device, transform: Optional[Callable],
                         generators: Generators,
-                        memory_format: Optional[torch.memory_format] = None) -> Iterator[Batch]:
-    """Host batches moved with a plain (blocking, unpinned) ``.to(device)``, then transformed there.
+                        memory_format: Optional[torch.memory_format] = None,
+                        decoder: Optional[Decoder] = None) -> Iterator[Batch]:
+    """Host batches moved with a plain (blocking, unpinned) ``.to(device)``, or decoded there by
+    ``decoder``, then transformed there.
 
     What a device other than CUDA gets, and the benchmark's reference for what
     pinned memory and side-stream prefetch buy on CUDA.  Batches come out in
     ``memory_format`` (None: as the transform leaves them).
     """
     for k, (images, labels) in enumerate(host):
-        images, labels = in_memory_format(images.to(device), memory_format), labels.to(device)
+        images, generator = to_device(images, device, decoder, non_blocking=False)
+        images, labels = in_memory_format(images, memory_format), labels.to(device)
         if transform is not None:
-            images, labels = apply_with_labels(transform, images, labels, generators(k))
+            generator = generators(k) if generator is None else generator
+            images, labels = apply_with_labels(transform, images, labels, generator)
             images = in_memory_format(images, memory_format)
         yield images, labels
 
@@ -66,15 +81,19 @@ class CudaPrefetcher:
         seeds: batch number -> the generator of its transform.
         memory_format: the layout batches come out in, converted on the side stream
             after the copy (None: as copied and transformed).
+        decoder: turns each batch's host images into device images on the side stream
+            (``device_decode``: encoded batches decoded there), with the generator its
+            transform continues; None: a copy.
     """
 
     def __init__(self, batches: Iterator[Batch], device: torch.device, prefetch: int,
                  transform: Optional[Callable] = None, seeds: Optional[Generators] = None,
-                 memory_format: Optional[torch.memory_format] = None) -> None:
+                 memory_format: Optional[torch.memory_format] = None, decoder: Optional[Decoder] = None) -> None:
         self.batches, self.device, self.prefetch = batches, device, max(1, prefetch)
         self.transform, self.seeds, self.memory_format = transform, seeds, memory_format
+        self.decoder = decoder
         self.stream = torch.cuda.Stream(device=device)
-        self.queue: Deque[Tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]] = deque()
+        self.queue: Deque[Tuple[torch.Tensor, torch.Tensor, torch.cuda.Event, Optional[torch.Generator]]] = deque()
         self.number = 0
 
     def _issue(self) -> bool:
@@ -83,11 +102,12 @@ class CudaPrefetcher:
         except StopIteration:
             return False
         with torch.cuda.stream(self.stream):
-            images = in_memory_format(images.to(self.device, non_blocking=True), self.memory_format)
+            images, generator = to_device(images, self.device, self.decoder)
+            images = in_memory_format(images, self.memory_format)
             labels = labels.to(self.device, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
-        self.queue.append((images, labels, done))
+        self.queue.append((images, labels, done, generator))
         return True
 
     def __iter__(self) -> "CudaPrefetcher":
@@ -98,14 +118,15 @@ class CudaPrefetcher:
             pass
         if not self.queue:
             raise StopIteration
-        images, labels, done = self.queue.popleft()
+        images, labels, done, generator = self.queue.popleft()
         current = torch.cuda.current_stream(self.device)
         current.wait_event(done)
         images.record_stream(current)
         labels.record_stream(current)
         self._issue()
         if self.transform is not None:
-            generator = None if self.seeds is None else self.seeds(self.number)
+            if generator is None and self.seeds is not None:
+                generator = self.seeds(self.number)
             images, labels = apply_with_labels(self.transform, images, labels, generator)
             images = in_memory_format(images, self.memory_format)
         self.number += 1

@@ -25,6 +25,7 @@ from .backends.base import Reader
 from .backends.sharded import given_max_open_parts
 from .dataset import PackedDataset
 from .device import CudaPrefetcher, copy_then_transform, resolve_device
+from .device_decode import DeviceDecoder
 from .errors import DataLoaderWorkerError
 from .memory import SlotPool
 from .policy import (
@@ -73,6 +74,7 @@ __all__ = [
 
 Batch = Tuple[torch.Tensor, torch.Tensor]  # (images, labels)
 MEMORY_FORMATS = (torch.contiguous_format, torch.channels_last)
+DECODE_PLACES = ("workers", "device")
 
 
 class PackedLoader:
@@ -95,8 +97,9 @@ class PackedLoader:
                  device: torch.device, transform: Optional[Callable], prefetch: int,
                  distributed: Optional[bool] = None, placement: Optional[Tuple[int, int]] = None, *,
                  memory_format: torch.memory_format = torch.contiguous_format, return_index: bool = False,
-                 dataset: Optional[PackedDataset] = None) -> None:
+                 dataset: Optional[PackedDataset] = None, decoder: Optional[DeviceDecoder] = None) -> None:
         self.batch_reader, self.sampler, self.dataloader = batch_reader, sampler, loader
+        self.decoder = decoder
         self.device, self.transform, self.prefetch = device, transform, prefetch
         self.distributed, self.placement = distributed, placement
         self.memory_format, self.return_index, self._dataset = memory_format, return_index, dataset
@@ -188,7 +191,7 @@ class PackedLoader:
         numbers: List[int] = []  # the place in this rank's share of each batch handed on
         indices: Deque[torch.Tensor] = deque()  # the sample indices of the batches not yet handed out
         host = self._host_batches(iter(self.dataloader), position.done, numbers, indices)
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and self.decoder is None:
             return self._handed_out(host, position, numbers, indices)
         epoch, seed, rank, first = position.epoch, self.batch_reader.seed, self.batch_reader.rank, position.first_batch
 
@@ -197,9 +200,11 @@ class PackedLoader:
 
         device: Iterator[Batch]
         if self.device.type == "cuda":
-            device = CudaPrefetcher(host, self.device, self.prefetch, self.transform, generators, self.memory_format)
+            device = CudaPrefetcher(host, self.device, self.prefetch, self.transform, generators, self.memory_format,
+                                    self.decoder)
         else:
-            device = copy_then_transform(host, self.device, self.transform, generators, self.memory_format)
+            device = copy_then_transform(host, self.device, self.transform, generators, self.memory_format,
+                                         self.decoder)
         return self._handed_out(device, position, numbers, indices)
 
     def _begin_pass(self) -> EpochPosition:
@@ -352,6 +357,7 @@ def make_loader(
     multiprocessing_context: Any = None,
     memory_format: torch.memory_format = torch.contiguous_format,
     return_index: bool = False,
+    decode: str = "workers",
 ) -> PackedLoader:
     """A fast loader of whole ``(images, labels)`` batches from an archive.
 
@@ -402,6 +408,12 @@ def make_loader(
             memory it is sent in; another device converts it there.
         return_index: batches are ``(images, labels, indices)``, ``indices`` the int64 [B]
             dataset indices of the batch's samples (on the CPU, for bookkeeping).
+        decode: where an encoded archive's JPEGs are decoded: "workers" (the default: on their
+            CPUs, cropped while decoding) or "device": in this process on ``device``, batched
+            (nvJPEG on a GPU), the workers only reading, checking and sending bytes; images the
+            device's decoder does not take (PNG, WebP, CMYK) the workers still decode.  The
+            crops and flips drawn are the same either way.  On the CPU, "device" decodes in
+            this process with torchvision's decoder.
 
     Images are uint8 [B,C,H,W] unless the transform changes them; labels are
     int64 [B] unless a transform that takes labels changes them.
@@ -415,6 +427,7 @@ def make_loader(
     check_on_error(on_error)
     check_verify(verify)
     check_choice("resize_mode", resize_mode, RESIZE_MODES)
+    check_choice("decode", decode, DECODE_PLACES)
     if memory_format not in MEMORY_FORMATS:
         raise ValueError(f"memory_format must be torch.contiguous_format or torch.channels_last, got {memory_format}")
     if num_workers < 0:
@@ -428,14 +441,19 @@ def make_loader(
     if placement is not None and not 0 <= placement[0] < placement[1]:
         raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
     rank, world = placement or (0, 1)  # torch.distributed's is taken when an epoch starts: PackedLoader._find_rank
-    on_cpu = device.type == "cpu"
+    on_device = decode == "device" and reader.mode != "raw"  # a raw archive has nothing to decode
+    on_cpu = device.type == "cpu" and not on_device  # whether the workers make the batches whole
     sampler = BatchSampler(len(reader), batch_size, shuffle, drop_last, seed, rank, world)
     batch_reader = BatchReader(
-        reader, size=decode_size, resize_mode=resize_mode, transform=transform if on_cpu else None, on_error=on_error,
-        seed=seed, rank=rank, pin=device.type == "cuda" and num_workers == 0,
+        reader, size=decode_size, resize_mode=resize_mode, transform=transform if on_cpu or on_device else None,
+        on_error=on_error, seed=seed, rank=rank, pin=device.type == "cuda" and num_workers == 0,
         pool=SlotPool(num_workers) if num_workers > 0 else None,
         memory_format=memory_format if on_cpu else None,  # another device converts the batch there, cheaply
+        decode_on_device=on_device,
     )
+    rest = transform  # what runs on the device: all of it, or what follows a crop the workers draw
+    if on_device and batch_reader.at_decode is not None:
+        rest = batch_reader.at_decode[1]
     loader = torch.utils.data.DataLoader(
         batch_reader,
         batch_size=None,
@@ -448,10 +466,12 @@ def make_loader(
         worker_init_fn=WorkerInit(seed, rank),
     )
     return PackedLoader(
-        batch_reader, sampler, loader, device, None if on_cpu else transform, prefetch, distributed, placement,
+        batch_reader, sampler, loader, device, None if on_cpu else rest, prefetch, distributed, placement,
         memory_format=memory_format, return_index=return_index,
         dataset=source if isinstance(source, PackedDataset) else None,
+        decoder=DeviceDecoder(reader) if on_device else None,
     )
+
 
 
 def _naming_dead_workers(batches: Iterator, path: str) -> Iterator:

@@ -83,20 +83,27 @@ def resize(image: "torch.Tensor", size: Tuple[int, int], resize_mode: str = "str
     import torch.nn.functional as F
 
     height, width = size
-    h, w = image.shape[-2:]
-    if resize_mode == "shorter-side-center-crop":
-        scale = max(width / w, height / h)
-        crop_h, crop_w = min(h, max(1, round(height / scale))), min(w, max(1, round(width / scale)))
-        top, left = (h - crop_h) // 2, (w - crop_w) // 2
-        image = image[:, top : top + crop_h, left : left + crop_w]
-    elif resize_mode != "stretch":
-        raise ValueError(f"resize mode must be 'stretch' or 'shorter-side-center-crop', got {resize_mode!r}")
+    top, left, crop_h, crop_w = kept_box(int(image.shape[-2]), int(image.shape[-1]), size, resize_mode)
+    image = image[:, top : top + crop_h, left : left + crop_w]
     if tuple(image.shape[-2:]) == (height, width):
         return image
     # the fast uint8 kernel's layout, with the batch stride of a real NHWC tensor: given unsqueeze(0)'s
     # stride of 3 there, interpolate returns NCHW, and every later HxWxC copy of the image is strided
     batch = image.permute(1, 2, 0).unsqueeze(0).permute(0, 3, 1, 2).contiguous(memory_format=torch.channels_last)
     return F.interpolate(batch, size=(height, width), mode="bilinear", antialias=True, align_corners=False)[0]
+
+
+def kept_box(h: int, w: int, size: Tuple[int, int], resize_mode: str = "stretch") -> Tuple[int, int, int, int]:
+    """(top, left, height, width) of an h x w image that ``resize`` keeps for ``size`` (height, width):
+    all of it ("stretch"), or its centre at the output's aspect ("shorter-side-center-crop")."""
+    if resize_mode == "stretch":
+        return 0, 0, h, w
+    if resize_mode != "shorter-side-center-crop":
+        raise ValueError(f"resize mode must be 'stretch' or 'shorter-side-center-crop', got {resize_mode!r}")
+    height, width = size
+    scale = max(width / w, height / h)
+    crop_h, crop_w = min(h, max(1, round(height / scale))), min(w, max(1, round(width / scale)))
+    return (h - crop_h) // 2, (w - crop_w) // 2, crop_h, crop_w
 
 
 def jpeg_size(data: bytes) -> Optional[Tuple[int, int]]:

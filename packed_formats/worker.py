@@ -20,8 +20,9 @@ from typing import Callable, Iterator, List, NamedTuple, Optional, Sequence, Tup
 import numpy as np
 import torch
 
-from . import codecs, memory, policy
+from . import codecs, device_decode, memory, policy
 from .backends.base import Reader
+from .device_decode import EncodedBatch
 from .errors import CorruptSampleError, PackedFormatError
 from .handles import ProcessLocal
 from .memory import SentBatch, SlotPool
@@ -30,7 +31,8 @@ from .sampling import BatchPlan, batch_seed, seed_globals
 from .transforms import apply_with_labels
 from .transforms.at_decode import CropAtDecode, split_at_decode
 
-Item = Tuple[SentBatch, torch.Tensor, Tuple[Skipped, ...], torch.Tensor]  # (images, labels, left out, indices)
+# (images, labels, left out, indices)
+Item = Tuple["SentBatch | EncodedBatch", torch.Tensor, Tuple[Skipped, ...], torch.Tensor]
 
 
 class FailedBatch(NamedTuple):
@@ -71,6 +73,9 @@ class BatchReader(torch.utils.data.Dataset):
         pool: the workers' shared-memory slots (None without workers).
         memory_format: the layout of the [B,C,H,W] batches handed back (None: as read or
             transformed, a channels-last view for reads; another device converts them there).
+        decode_on_device: an encoded archive's batches leave as ``EncodedBatch``es of checked
+            bytes, their crops drawn, for the main process to decode on its device
+            (``device_decode``); the transform is then only read for its first crop.
 
     Pickles as its reader's description (path, index), never an open handle.
     """
@@ -88,12 +93,14 @@ class BatchReader(torch.utils.data.Dataset):
         pin: bool = False,
         pool: Optional[SlotPool] = None,
         memory_format: Optional[torch.memory_format] = None,
+        decode_on_device: bool = False,
     ) -> None:
         self.reader, self.size, self.transform, self.memory_format = reader, size, transform, memory_format
         self.resize_mode = resize_mode
         self.on_error, self.seed, self.rank, self.pin, self.pool = on_error, seed, rank, pin, pool
         # an encoded archive with no decode size does the transform's first crop while decoding
         self.at_decode = split_at_decode(transform) if reader.mode != "raw" and size is None else None
+        self.decode_on_device = decode_on_device and reader.mode != "raw"
         shape = reader.manifest.shape
         self.channels = 3 if shape is None else shape[2]
         self._buffers = ProcessLocal(memory.ReusedBuffers)  # this process's read buffers
@@ -107,7 +114,8 @@ class BatchReader(torch.utils.data.Dataset):
                 return self._batch(plan)
             try:
                 images, labels, skipped, indices = self._batch(plan)
-                return memory.hand_back((self.pool.send(images), labels, skipped, indices), self.reader.path)
+                sent = self.pool.send(images) if isinstance(images, torch.Tensor) else images
+                return memory.hand_back((sent, labels, skipped, indices), self.reader.path)
             finally:
                 self.pool.end_batch()
         except PackedFormatError as exc:
@@ -115,12 +123,17 @@ class BatchReader(torch.utils.data.Dataset):
                 raise
             return FailedBatch(exc, traceback.format_exc())
 
-    def _batch(self, plan: BatchPlan) -> Tuple[torch.Tensor, torch.Tensor, Tuple[Skipped, ...], torch.Tensor]:
+    def _batch(self, plan: BatchPlan) -> Tuple["torch.Tensor | EncodedBatch", torch.Tensor, Tuple[Skipped, ...],
+                                               torch.Tensor]:
         idx = self.reader.check_indices(plan.indices)
         transform, seed, generator = self.transform, 0, None
         if transform is not None:  # the batch's randomness: crops at decode draw from it first
             seed = batch_seed(self.seed, plan.epoch, self.rank, plan.number)
             generator = torch.Generator().manual_seed(seed)
+        if self.decode_on_device:
+            encoded, kept, skipped = self._for_device(idx, generator)
+            labels = torch.from_numpy(np.ascontiguousarray(self.reader.labels[idx[kept]]))
+            return encoded, labels, tuple(s[1] for s in skipped), encoded.indices
         if self.reader.mode == "raw":
             images, skipped = self._read_raw(idx)
         elif self.at_decode is not None:
@@ -270,8 +283,13 @@ class BatchReader(torch.utils.data.Dataset):
     def _crop_plan(self, crop: CropAtDecode, idx: np.ndarray, blobs: List[Optional[bytes]], skipped: Bad,
                    generator: Optional[torch.Generator]) -> Tuple[np.ndarray, np.ndarray, Tuple[int, int]]:
         """(each image's crop box, its stored (width, height), the output size): the boxes drawn in
-        the sizes read from the images' headers.  An image whose header does not read is skipped or
-        raises here, as a failed decode would (1x1 for the samples left out)."""
+        the sizes read from the images' headers."""
+        sizes = self._stored_sizes(idx, blobs, skipped)
+        return crop.boxes(sizes[:, 1].copy(), sizes[:, 0].copy(), generator), sizes, crop.size
+
+    def _stored_sizes(self, idx: np.ndarray, blobs: List[Optional[bytes]], skipped: Bad) -> np.ndarray:
+        """int64 [B,2]: each image's stored (width, height), from its header.  An image whose header
+        does not read is skipped or raises here, as a failed decode would (1x1 for those left out)."""
         sizes = np.ones((len(idx), 2), dtype=np.int64)
         for j, (i, blob) in enumerate(zip(idx.tolist(), blobs)):
             if blob is None:
@@ -284,7 +302,49 @@ class BatchReader(torch.utils.data.Dataset):
                     raise error from None
                 blobs[j] = None
                 skipped.append((j, self._skipped(error, i)))
-        return crop.boxes(sizes[:, 1].copy(), sizes[:, 0].copy(), generator), sizes, crop.size
+        return sizes
+
+    def _for_device(self, idx: np.ndarray, generator: Optional[torch.Generator]
+                    ) -> Tuple[EncodedBatch, np.ndarray, Bad]:
+        """(the batch for decoding on the device, the places in ``idx`` of the images it holds, those
+        left out): the bytes of the JPEGs the device decodes (``device_decode.takes``), the others
+        decoded here; each image's box drawn or computed in its stored size."""
+        found, skipped = self._encoded_blobs(idx)
+        blobs = list(found)
+        boxes: Optional[np.ndarray] = None
+        size: Optional[Tuple[int, int]] = None
+        if self.at_decode is not None or self.size is not None:
+            sizes = self._stored_sizes(idx, blobs, skipped)
+            if self.at_decode is not None:
+                crop = self.at_decode[0]
+                boxes, size = crop.boxes(sizes[:, 1].copy(), sizes[:, 0].copy(), generator), crop.size
+            else:
+                size = self.size
+                boxes = device_decode.resize_boxes(sizes, cast(Tuple[int, int], size), self.resize_mode)
+        kept: List[int] = []
+        sent: List[Optional[bytes]] = []
+        host: List[Tuple[int, np.ndarray]] = []
+        for j, (i, blob) in enumerate(zip(idx.tolist(), blobs)):
+            if blob is None:
+                continue
+            if not device_decode.takes(blob):
+                try:
+                    if boxes is None or size is None:
+                        pixels = self._decode(blob, i)
+                    else:
+                        pixels = self._decode_crop(blob, i, boxes[j], size, (int(sizes[j, 0]), int(sizes[j, 1])))
+                except CorruptSampleError as exc:
+                    if self.on_error == "raise":
+                        raise
+                    skipped.append((j, self._skipped(exc, i)))
+                    continue
+                host.append((len(kept), pixels))
+                blob = None
+            kept.append(j)
+            sent.append(blob)
+        places = np.array(kept, dtype=np.int64)
+        encoded = device_decode.pack(sent, None if boxes is None else boxes[places], size, host, idx[places], generator)
+        return encoded, places, sorted(skipped)
 
     def _decode_crop(self, blob: bytes, i: int, box: np.ndarray, size: Tuple[int, int],
                      stored: Tuple[int, int]) -> np.ndarray:

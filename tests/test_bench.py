@@ -20,7 +20,8 @@ from packed_formats.bench.environment import archive_paths, filesystem_type
 from packed_formats.bench.measure import MemorySampler, time_epoch
 from packed_formats.bench.pagecache import evict, resident_bytes, warm
 from packed_formats.bench.references import bare_decode_rate, copy_bound_rate
-from packed_formats.bench.report import rate
+from packed_formats.bench.report import add_ratios, rate
+from packed_formats.bench.runner import DEVICE_DECODE, build_loader, describe_target
 from packed_formats.bench.tensordict_memmap import TutorialMemmapData, TutorialRandomCrop, TutorialRandomHFlip
 from packed_formats.cli import main
 
@@ -312,9 +313,33 @@ def test_cuda_bench_times_make_loader_against_a_plain_copy_of_the_same_batches(a
             for w in (0, 1):
                 fast, plain = find("make_loader", path, pipeline, w), find("plain-to-device", path, pipeline, w)
                 assert fast["ratios"]["vs_plain_copy"] == pytest.approx(rate(fast) / rate(plain))
+            fast, gpu = find("make_loader", paths[2], pipeline, w), find(DEVICE_DECODE, paths[2], pipeline, w)
+            assert gpu["ratios"]["vs_worker_decode"] == pytest.approx(rate(gpu) / rate(fast))
+    assert not any(r["loader"] == DEVICE_DECODE and r["mode"] == "raw" for r in results["runs"])
+    assert any(g["goal"].startswith("encoded, train decoded on the GPU") for g in results["goals"])
     tensordict = {r["workers"] for r in results["runs"] if r["loader"] == "tensordict-memmap"}
     assert tensordict == {0}  # the tutorial moves batches to the GPU in collate_fn: main process only
     assert "plain .to" in format_table(results)
+
+
+def test_decoding_on_the_device_is_measured_against_the_workers_decode(archives):
+    """The GPU goal's plumbing, run on the CPU: the device-decode loader yields the same batches
+    as the workers' decode, and its ratio and goal come from the make_loader row of the same run."""
+    path = os.path.abspath(archives[("zip", "encoded")])
+    config = BenchConfig(workers=[0], batch_size=8, size=16)
+    target = describe_target(path, None)
+    workers, device = (list(build_loader(target, name, "train", 0, config)) for name in ("make_loader", DEVICE_DECODE))
+    assert len(workers) == len(device) and all(a[0].shape == b[0].shape == (len(a[1]), 3, 16, 16)
+                                               for a, b in zip(workers, device))
+    row = dict(path=path, target="zip", format="zip", mode="encoded", pipeline="train", workers=2, role="target",
+               error=None)
+    results = {"targets": [target], "references": [], "runs": [
+        dict(row, loader="make_loader", images_per_s={"median": 1000.0}),
+        dict(row, loader=DEVICE_DECODE, images_per_s={"median": 3500.0})]}
+    add_ratios(results)
+    assert results["runs"][1]["ratios"]["vs_worker_decode"] == pytest.approx(3.5)
+    goal = [g for g in results["goals"] if g["goal"].startswith("encoded, train decoded on the GPU")]
+    assert len(goal) == 1 and goal[0]["met"] and goal[0]["ratio"] == pytest.approx(3.5)
 
 
 def test_the_memory_sampler_waits_longer_the_more_a_sample_costs():

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The GPU benchmark behind README.rst's GPU figures: pf.make_loader(device="cuda") (pinned
 # batches copied on a side stream, PREFETCH ahead, transforms on the GPU) against the same
-# reads copied with a plain .to("cuda"), and against torchvision's ImageFolder pipeline.
+# reads copied with a plain .to("cuda"), and against torchvision's ImageFolder pipeline;
+# then photographs packed encoded, decoded in the workers and on the GPU (decode="device").
 #
 #   tools/bench_gpu.sh [DATA_DIR [OUT_PREFIX [WORKERS [COPIES]]]]    e.g. tools/bench_gpu.sh bench_data gpu 4,8 4
 #
 # The generated folder holds 3,072 JPEGs; COPIES links each file that many times, so that
 # an epoch (12,288 samples by default, 48 batches of 256) is long compared with what the
-# workers read ahead.  Needs a CUDA GPU and the project installed; writes OUT_PREFIX.json/.png.
+# workers read ahead.  Needs a CUDA GPU and the project installed; writes OUT_PREFIX.json/.png
+# and OUT_PREFIX-photos.json/.png.
 set -euo pipefail
 data=${1:-bench_data}
 out=${2:-bench_gpu}
@@ -33,3 +35,12 @@ done
 "$python" -m packed_formats bench "$data/images" "$data/bench-raw.memmap" "$data/bench-raw.lmdb" \
     --device cuda --workers "$workers" --batch-size 256 --epochs 3 --warmup 1 --pipeline none,train \
     --out "$out.json" --plot "$out.png"
+
+if [ ! -d "$data/photos" ]; then  # 4,096 crops of real photographs, 200-480 px
+    "$python" -c "from packed_formats.synthetic import make_photo_folder as m; m('$data/photos', 1024)"
+fi
+[ -e "$data/photos.zip" ] || "$python" -m packed_formats convert "$data/photos" "$data/photos.zip" \
+    --mode encoded --quiet
+"$python" -m packed_formats bench "$data/photos" "$data/photos.zip" \
+    --device cuda --workers "$workers" --batch-size 256 --epochs 3 --warmup 1 --pipeline none,train \
+    --out "$out-photos.json" --plot "$out-photos.png"

@@ -102,13 +102,14 @@ def batch_transform(transforms, pipeline: str, size: int) -> Optional[Callable]:
 
 def make_loader_loader(path: str, mode: str, pipeline: str, size: int, batch_size: int, workers: int,
                        shuffle: bool, context: Optional[str], decode_size: Optional[int] = None, seed: int = 0,
-                       device: str = "cpu"):
+                       device: str = "cpu", decode: str = "workers"):
     """``pf.make_loader`` with ``pf.transforms.val/train(size)`` (whole-batch uint8 work, crop before float);
     untransformed batches in channels-last layout (the archive's own; see below).
 
     Encoded archives are decoded to ``decode_size`` x ``decode_size`` so that a batch has one shape,
-    except where the CPU transform crops while decoding (train and val on the CPU).
-    On CUDA, batches are pinned and copied on a side stream, and transformed on the GPU.
+    except where the transform crops while decoding (train and val on the CPU, or decoded on the device).
+    On CUDA, batches are pinned and copied on a side stream, and transformed on the GPU;
+    ``decode="device"`` decodes encoded archives there too (nvJPEG), the workers only reading bytes.
     """
     found = fast_path()
     if found is None:
@@ -117,8 +118,10 @@ def make_loader_loader(path: str, mode: str, pipeline: str, size: int, batch_siz
     transform = batch_transform(transforms, pipeline, size)
     options = dict(batch_size=batch_size, shuffle=shuffle, num_workers=workers, device=device,
                    transform=transform, drop_last=False, seed=seed)
-    if mode == "encoded" and decode_size and (pipeline == "none" or device != "cpu"):
-        options["size"] = decode_size  # on the CPU, train and val crop at decode: no resize to one size first
+    if decode != "workers":
+        options["decode"] = decode
+    if mode == "encoded" and decode_size and (pipeline == "none" or (device != "cpu" and decode == "workers")):
+        options["size"] = decode_size  # train and val crop at decode where they can: no resize to one size first
     if pipeline == "none" and accepts(make_loader, "memory_format"):
         # untransformed batches as read, [B,H,W,C] in memory, like the copy-bound limit's gather:
         # the default contiguous NCHW would add a transpose on the host (on a GPU it is done there)

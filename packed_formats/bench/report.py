@@ -19,6 +19,7 @@ GOALS = (
     ("encoded vs bare decode", ("*", "encoded", "none"), "vs_limit", 0.85),
     ("encoded, train vs bare decode", ("*", "encoded", "train"), "vs_limit", 0.8),
     ("encoded, train vs torchvision ImageFolder", ("*", "encoded", "train"), "vs_imagefolder", 3.0),
+    ("encoded, train decoded on the GPU vs in the workers", ("*", "encoded", "train"), "vs_worker_decode", 3.0),
 )
 
 COLD = "cold (page cache evicted before each epoch)"
@@ -67,6 +68,8 @@ def add_ratios(results: Dict[str, Any]) -> None:
             by_kind.setdefault((row["loader"], row["path"]) + at, r)
         elif row["format"] == "memmap" and row["mode"] == "raw":
             by_kind.setdefault(("memmap", row["loader"], tuple(row["shape"])) + at, r)
+        if row["loader"] == "make_loader":  # the workers' decode, against which decoding on the device is measured
+            by_kind.setdefault((row["loader"], row["path"]) + at, r)
     for row in runs:
         r, at, ratios = rate(row), (row["pipeline"], row["workers"]), {}
         limit = _limit_for(row, targets[row["path"]], refs)
@@ -82,6 +85,8 @@ def add_ratios(results: Dict[str, Any]) -> None:
                 ratios["vs_raw_memmap"] = _ratio(r, by_kind.get(("memmap", row["loader"], tuple(row["shape"])) + at))
         if row["loader"] == "make_loader":
             ratios["vs_plain_copy"] = _ratio(r, by_kind.get(("plain-to-device", row["path"]) + at))
+        if row["loader"] == "make_loader-decode-on-device":
+            ratios["vs_worker_decode"] = _ratio(r, by_kind.get(("make_loader", row["path"]) + at))
         row["ratios"] = {k: v for k, v in ratios.items() if v is not None}
     results["goals"] = check_goals(runs)
 
@@ -91,7 +96,7 @@ def check_goals(runs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     out = []
     for what, (fmt, mode, pipeline), ratio, goal in GOALS:
         for row in runs:
-            if row["loader"] != "make_loader" or row["mode"] != mode:
+            if not row["loader"].startswith("make_loader") or row["mode"] != mode:
                 continue
             if (fmt != "*" and row["format"] != fmt) or (pipeline != "*" and row["pipeline"] != pipeline):
                 continue

@@ -101,6 +101,9 @@ def _short_name(path: str) -> str:
     return os.path.basename(os.path.normpath(path)) or path
 
 
+DEVICE_DECODE = "make_loader-decode-on-device"  # make_loader(decode="device"): encoded targets on CUDA
+
+
 def _loader_name(target: Dict[str, Any], config: BenchConfig) -> str:
     if target["format"] == "folder":
         return "torchvision-imagefolder"
@@ -117,9 +120,10 @@ def build_loader(target: Dict[str, Any], loader: str, pipeline: str, workers: in
     elif loader == "tensordict-memmap":
         return tutorial_loader(target["path"], pipeline, config.size, config.batch_size, workers,
                                config.shuffle, config.start_method, device=config.device)
-    elif loader == "make_loader":
+    elif loader in ("make_loader", DEVICE_DECODE):
+        decode = "device" if loader == DEVICE_DECODE else "workers"
         return loaders.make_loader_loader(target["path"], target["mode"], *common, decode_size=config.decode_to,
-                                          device=config.device)
+                                          device=config.device, decode=decode)
     elif loader == "plain-to-device":
         return loaders.PlainCopyLoader(target["path"], target["mode"], *common, decode_size=config.decode_to,
                                        device=config.device)
@@ -225,6 +229,10 @@ def run_benchmark(paths: Sequence[str], config: Optional[BenchConfig] = None,
             for workers in config.workers:
                 log(f"{pipeline:5} {target['name']} via {loader}, {workers} workers")
                 results["runs"].append(measure_one(target, loader, pipeline, int(workers), config, role))
+            if config.on_cuda and loader == "make_loader" and target["mode"] == "encoded":
+                for workers in config.workers:
+                    log(f"{pipeline:5} {target['name']} decoded on {config.device}, {workers} workers")
+                    results["runs"].append(measure_one(target, DEVICE_DECODE, pipeline, int(workers), config))
             if config.on_cuda and loader == "make_loader":
                 for workers in config.workers:
                     log(f"{pipeline:5} {target['name']} via a plain .to({config.device}), {workers} workers")
