@@ -98,14 +98,13 @@ class DeviceDecoder:
         places = [j for j in range(len(offsets) - 1) if offsets[j + 1] > offsets[j]]
         blobs = [batch.data[offsets[j] : offsets[j + 1]] for j in places]
         decoded = self._decode(blobs, [int(batch.indices[j]) for j in places], device)
-        boxes, size = batch.boxes.tolist(), tuple(batch.size.tolist())
-        images = [cut(image, boxes[j], size) if boxes else image for j, image in zip(places, decoded)]
+        boxes, size = batch.boxes.tolist(), tuple(int(v) for v in batch.size.tolist())
         host = batch.host.to(device, non_blocking=True).permute(0, 3, 1, 2)
-        shape = tuple(images[0].shape) if images else tuple(host.shape[1:])
-        out = torch.empty((len(offsets) - 1,) + shape, dtype=torch.uint8, device=device)
-        for j, image in zip(places, images):
-            self._check_shape(image, shape, int(batch.indices[j]))
-            out[j] = image
+        if size:
+            shape: Tuple[int, ...] = (3,) + size
+        else:
+            shape = tuple(decoded[0].shape) if decoded else tuple(host.shape[1:])
+        out = self.assemble(decoded, places, boxes, shape, batch.indices, len(offsets) - 1, device)
         if len(host):
             self._check_shape(host[0], shape, int(batch.indices[int(batch.host_at[0])]))
             out[batch.host_at.to(device)] = host
@@ -114,6 +113,27 @@ class DeviceDecoder:
             generator = torch.Generator()
             generator.set_state(batch.state.cpu())
         return out, generator
+
+    def assemble(self, images: List[torch.Tensor], places: List[int], boxes: List[List[int]], shape: Tuple[int, ...],
+                 indices: torch.Tensor, count: int, device: torch.device, exact: Optional[bool] = None) -> torch.Tensor:
+        """uint8 [count, *shape] on ``device`` holding each of ``images`` at its place, its box cut out and
+        resized where there are boxes: by torch's uint8 kernel when ``exact`` (None: on the CPU), else
+        into one float batch rounded back to uint8 in one pass (a few kernels per image, not six)."""
+        exact = (device.type == "cpu" if exact is None else exact) or not boxes
+        out = torch.empty((count,) + shape, dtype=torch.uint8, device=device)
+        staged = None if exact else torch.empty((count,) + shape, dtype=torch.float32, device=device)
+        for j, image in zip(places, images):
+            if boxes:
+                image = cut(image, boxes[j], shape[1:]) if exact else cut_in_float(image, boxes[j], shape[1:])
+            self._check_shape(image, shape, int(indices[j]))
+            if staged is None:
+                out[j] = image
+            else:
+                staged[j] = image
+        if staged is not None and places:
+            rows = torch.tensor(places, device=device)
+            out[rows] = staged[rows].round_().clamp_(0, 255).to(torch.uint8)
+        return out
 
     def _decode(self, blobs: List[torch.Tensor], indices: List[int], device: torch.device) -> List[torch.Tensor]:
         """The images of ``blobs`` as 3xHxW uint8 on ``device``: in one batched call, else one by one, an
@@ -158,21 +178,27 @@ def decode_jpegs(blobs: List[torch.Tensor], device: torch.device) -> List[torch.
         return list(decode_jpeg(blobs, mode=ImageReadMode.RGB, device=device))
 
 
-def cut(image: torch.Tensor, box: Sequence[int], size: Tuple[int, ...]) -> torch.Tensor:
-    """The ``box`` (top, left, height, width) of a 3xHxW uint8 image, resized to ``size`` (height, width)
-    with antialiasing: torch's uint8 kernel on the CPU (as a worker's decode does), in float elsewhere."""
+def _box(image: torch.Tensor, box: Sequence[int]) -> torch.Tensor:
+    """The ``box`` (top, left, height, width) of a CxHxW image, kept inside it and at least one pixel."""
     top, left, height, width = box
     bottom, right = max(top + 1, min(image.shape[1], top + height)), max(left + 1, min(image.shape[2], left + width))
-    crop = image[:, top:bottom, left:right]
-    if not size or tuple(crop.shape[1:]) == tuple(size):
+    return image[:, top:bottom, left:right]
+
+
+def cut(image: torch.Tensor, box: Sequence[int], size: Tuple[int, ...]) -> torch.Tensor:
+    """The ``box`` of a 3xHxW uint8 image, resized to ``size`` (height, width) by torch's antialiased
+    uint8 kernel (as a worker's decode does)."""
+    crop = _box(image, box)
+    if tuple(crop.shape[1:]) == tuple(size):
         return crop
-    if image.device.type == "cpu":
-        return native.resize(crop, (int(size[0]), int(size[1])))
-    return resize_in_float(crop, (int(size[0]), int(size[1])))
+    return native.resize(crop, (int(size[0]), int(size[1])))
 
 
-def resize_in_float(image: torch.Tensor, size: Tuple[int, int]) -> torch.Tensor:
-    """A 3xHxW uint8 image resized (bilinear, antialiased) in float32 and rounded back: for devices
-    without torch's uint8 kernel; within one level of it."""
-    resized = F.interpolate(image[None].float(), size=size, mode="bilinear", antialias=True, align_corners=False)
-    return resized[0].round_().clamp_(0, 255).to(torch.uint8)
+def cut_in_float(image: torch.Tensor, box: Sequence[int], size: Tuple[int, ...]) -> torch.Tensor:
+    """The ``box`` of a 3xHxW uint8 image resized to ``size`` (bilinear, antialiased) in float32, for
+    devices without torch's uint8 kernel: rounded, it is within one level of ``cut``."""
+    crop = _box(image, box)[None].float()
+    if tuple(crop.shape[2:]) == tuple(size):
+        return crop[0]
+    return F.interpolate(crop, size=(int(size[0]), int(size[1])), mode="bilinear", antialias=True,
+                         align_corners=False)[0]

@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 import packed_formats as pf
-from packed_formats import device_decode, native
+from packed_formats import device_decode
 from packed_formats import transforms as T
 from packed_formats.synthetic import make_photo_folder
 
@@ -166,13 +166,18 @@ def test_a_raw_archive_has_nothing_to_decode(photos, tmp_path):
     assert_same(epoch(raw, "device", transform=T.train(48)), epoch(raw, "workers", transform=T.train(48)))
 
 
-def test_the_float_resize_of_devices_is_within_a_level_of_the_uint8_kernel():
+def test_the_float_resize_of_devices_is_within_a_level_of_the_uint8_kernel(photos):
+    """What a GPU runs (resizes into one float batch, rounded once), run on the CPU."""
     rng = np.random.default_rng(0)
-    image = torch.from_numpy(rng.integers(0, 256, (3, 97, 143), dtype=np.uint8))
-    for size in [(64, 64), (224, 224), (40, 150)]:
-        exact = native.resize(image, size)
-        floated = device_decode.resize_in_float(image, size)
-        assert floated.shape == exact.shape and (floated.int() - exact.int()).abs().max() <= 1
+    images = [torch.from_numpy(rng.integers(0, 256, (3, h, w), dtype=np.uint8)) for h, w in [(97, 143), (300, 40)]]
+    boxes = [[0, 0, 97, 143], [10, 5, 200, 30], [0, 0, 0, 0]]
+    with pf.open_archive(photos) as reader:
+        decoder = device_decode.DeviceDecoder(reader)
+        for size in [(64, 64), (224, 224), (40, 150)]:
+            args = (images, [0, 1], boxes, (3,) + size, torch.tensor([0, 1, 2]), 3, torch.device("cpu"))
+            exact, floated = decoder.assemble(*args, exact=True), decoder.assemble(*args, exact=False)
+            assert floated.shape == exact.shape == (3, 3) + size and floated.dtype == torch.uint8
+            assert (floated[:2].int() - exact[:2].int()).abs().max() <= 1
 
 
 def test_boxes_of_a_resize_mode_are_what_the_resize_keeps():
