@@ -100,7 +100,7 @@ class PackedLoader:
                  dataset: Optional[PackedDataset] = None, decoder: Optional[DeviceDecoder] = None) -> None:
         self.batch_reader, self.sampler, self.dataloader = batch_reader, sampler, loader
         self.decoder = decoder
-        self.device, self.transform, self.prefetch = device, transform, prefetch
+        self._device, self.transform, self.prefetch = device, transform, prefetch
         self.distributed, self.placement = distributed, placement
         self.memory_format, self.return_index, self._dataset = memory_format, return_index, dataset
         sampler.call_on_set_epoch(self.set_epoch)  # loader.sampler.set_epoch, as code written for DataLoader calls it
@@ -113,6 +113,13 @@ class PackedLoader:
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.sampler.call_on_set_epoch(self.set_epoch)
+
+    @property
+    def device(self) -> torch.device:
+        """Where batches end up.  "cuda" with no index is the current CUDA device when each pass starts,
+        as for ``tensor.to("cuda")``: a loader built before ``torch.cuda.set_device(local_rank)`` (at
+        module level, or handed to Lightning before it sets each rank's device) follows it."""
+        return resolve_device(self._device)
 
     @property
     def reader(self) -> Reader:
@@ -191,7 +198,8 @@ class PackedLoader:
         numbers: List[int] = []  # the place in this rank's share of each batch handed on
         indices: Deque[torch.Tensor] = deque()  # the sample indices of the batches not yet handed out
         host = self._host_batches(iter(self.dataloader), position.done, numbers, indices)
-        if self.device.type == "cpu" and self.decoder is None:
+        target = self.device
+        if target.type == "cpu" and self.decoder is None:
             return self._handed_out(host, position, numbers, indices)
         epoch, seed, rank, first = position.epoch, self.batch_reader.seed, self.batch_reader.rank, position.first_batch
 
@@ -199,12 +207,11 @@ class PackedLoader:
             return batch_generator(seed, epoch, rank, first + numbers[k])
 
         device: Iterator[Batch]
-        if self.device.type == "cuda":
-            device = CudaPrefetcher(host, self.device, self.prefetch, self.transform, generators, self.memory_format,
+        if target.type == "cuda":
+            device = CudaPrefetcher(host, target, self.prefetch, self.transform, generators, self.memory_format,
                                     self.decoder)
         else:
-            device = copy_then_transform(host, self.device, self.transform, generators, self.memory_format,
-                                         self.decoder)
+            device = copy_then_transform(host, target, self.transform, generators, self.memory_format, self.decoder)
         return self._handed_out(device, position, numbers, indices)
 
     def _begin_pass(self) -> EpochPosition:
@@ -432,7 +439,8 @@ def make_loader(
         raise ValueError(f"memory_format must be torch.contiguous_format or torch.channels_last, got {memory_format}")
     if num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
-    device = resolve_device(device)
+    asked = torch.device(device)
+    device = resolve_device(asked)  # ValueError now when CUDA is asked for and absent
     reader = _open_reader(source, format, verify)
     decode_size = _check_size(reader, size)
     if (rank is None) != (world_size is None):
@@ -466,7 +474,7 @@ def make_loader(
         worker_init_fn=WorkerInit(seed, rank),
     )
     return PackedLoader(
-        batch_reader, sampler, loader, device, None if on_cpu else rest, prefetch, distributed, placement,
+        batch_reader, sampler, loader, asked, None if on_cpu else rest, prefetch, distributed, placement,
         memory_format=memory_format, return_index=return_index,
         dataset=source if isinstance(source, PackedDataset) else None,
         decoder=DeviceDecoder(reader) if on_device else None,

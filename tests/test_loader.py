@@ -327,6 +327,20 @@ def test_cuda_is_refused_without_a_gpu(uniform_archives):
         pf.make_loader(uniform_archives[("memmap", "raw")], device="cuda")
 
 
+def test_cuda_without_an_index_is_the_current_device_when_a_pass_starts(uniform_archives, monkeypatch):
+    """As for tensor.to("cuda"): a loader built before torch.cuda.set_device(local_rank) follows it
+    (every rank on GPU 0 otherwise), and one built for "cuda:1" stays there."""
+    current = [0]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    path = uniform_archives[("memmap", "raw")]
+    loader, pinned = pf.make_loader(path, device="cuda", num_workers=0), pf.make_loader(path, device="cuda:1")
+    assert loader.device == torch.device("cuda", 0)
+    current[0] = 3  # torch.cuda.set_device(3), after the loader was built
+    assert loader.device == torch.device("cuda", 3) and pinned.device == torch.device("cuda", 1)
+    assert "device=cuda:3" in repr(loader)
+
+
 @needs_cuda
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_cuda_batches_equal_cpu_batches(uniform_archives, num_workers):
