@@ -168,6 +168,26 @@ class DeviceDecoder:
             )
 
 
+def decoder_error() -> Optional[str]:
+    """Why torchvision's JPEG decoder cannot decode here (missing, built without its image extension,
+    or no longer shipped), or None when it decodes a small JPEG."""
+    try:
+        jpeg = codecs.encode(np.zeros((8, 8, 3), dtype=np.uint8), "jpeg", 90)
+        decode_jpegs([torch.frombuffer(bytearray(jpeg), dtype=torch.uint8)], torch.device("cpu"))
+    except Exception as exc:  # ImportError, or RuntimeError from a build without its image ops
+        return repr(exc)
+    return None
+
+
+def check_decoder() -> None:
+    """ValueError unless torchvision's JPEG decoder works here: without it every image would go to
+    the CPU fallback, one at a time."""
+    error = decoder_error()
+    if error is not None:
+        raise ValueError(f"decode='device' needs torchvision's JPEG decoder, which fails here ({error}); "
+                         "use decode='workers'")
+
+
 def decode_jpegs(blobs: List[torch.Tensor], device: torch.device) -> List[torch.Tensor]:
     """JPEG bytes (1-D uint8 CPU tensors) as 3xHxW uint8 RGB on ``device``, in one call of
     torchvision's decoder (batched nvJPEG on CUDA); RuntimeError when it refuses one."""

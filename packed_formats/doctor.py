@@ -12,7 +12,6 @@ import dataclasses
 import os
 import shutil
 import textwrap
-import warnings
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from .errors import ArchiveNotFoundError, PackedFormatError
@@ -153,29 +152,15 @@ def jpeg_info() -> Dict[str, Any]:
 
 def _torchvision_jpeg() -> Dict[str, Any]:
     try:
-        import torch
         import torchvision
 
-        with warnings.catch_warnings():  # torchvision 0.29 deprecates its image I/O in favour of torchcodec
-            warnings.simplefilter("ignore", DeprecationWarning)
-            from torchvision.io import decode_jpeg
+        from .device_decode import decoder_error
     except Exception as exc:  # torchvision missing or broken
         return {"torchvision_version": None, "torchvision_decode_jpeg": False, "torchvision_error": repr(exc)}
-    import numpy as np
-
-    from .codecs import encode
-
-    sample = encode(np.zeros((8, 8, 3), dtype=np.uint8), "jpeg", 90)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            decode_jpeg(torch.frombuffer(bytearray(sample), dtype=torch.uint8))
-        works, error = True, None
-    except Exception as exc:  # built without its image extension
-        works, error = False, repr(exc)
+    error = decoder_error()  # decodes a small JPEG (a build without its image extension cannot)
     return {
         "torchvision_version": torchvision.__version__,
-        "torchvision_decode_jpeg": works,
+        "torchvision_decode_jpeg": error is None,
         "torchvision_error": error,
     }
 

@@ -25,7 +25,7 @@ from .backends.base import Reader
 from .backends.sharded import given_max_open_parts
 from .dataset import PackedDataset
 from .device import CudaPrefetcher, copy_then_transform, resolve_device
-from .device_decode import DeviceDecoder
+from .device_decode import DeviceDecoder, check_decoder
 from .errors import DataLoaderWorkerError
 from .memory import SlotPool
 from .policy import (
@@ -450,6 +450,8 @@ def make_loader(
         raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
     rank, world = placement or (0, 1)  # torch.distributed's is taken when an epoch starts: PackedLoader._find_rank
     on_device = decode == "device" and reader.mode != "raw"  # a raw archive has nothing to decode
+    if on_device:
+        check_decoder()
     on_cpu = device.type == "cpu" and not on_device  # whether the workers make the batches whole
     sampler = BatchSampler(len(reader), batch_size, shuffle, drop_last, seed, rank, world)
     batch_reader = BatchReader(

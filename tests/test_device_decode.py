@@ -156,9 +156,17 @@ def test_a_damaged_stored_byte_is_named_by_its_checksum(samples, tmp_path):
     assert raised.value.key == key
 
 
-def test_an_unknown_place_to_decode_is_refused(photos):
+def test_an_unknown_place_to_decode_or_a_missing_decoder_is_refused(photos, monkeypatch):
     with pytest.raises(ValueError, match="decode must be one of"):
         pf.make_loader(photos, decode="gpu")
+    import torchvision.io
+
+    def missing(*args, **kwargs):
+        raise RuntimeError("Couldn't load custom C++ ops")
+
+    monkeypatch.setattr(torchvision.io, "decode_jpeg", missing)
+    with pytest.raises(ValueError, match="torchvision's JPEG decoder"):
+        pf.make_loader(photos, decode="device")
 
 
 def test_a_raw_archive_has_nothing_to_decode(photos, tmp_path):
