@@ -51,6 +51,7 @@ from .sampling import (
     shard_indices,
 )
 from .transforms import apply_transform
+from .transforms.at_decode import split_at_decode
 from .worker import BatchReader, FailedBatch
 
 __all__ = [
@@ -384,7 +385,8 @@ def make_loader(
             On an encoded archive with no ``size``, a transform that starts with a crop
             (``RandomResizedCrop``, as ``pf.transforms.train`` does, or ``Resize`` + ``CenterCrop``,
             as ``val`` does) makes it while decoding: drawn in each image's own size, from a
-            JPEG decoded at the least DCT scale that covers it, only the crop resized.
+            JPEG decoded at the least DCT scale that covers it, only the crop resized (in the
+            workers, also for a GPU, which then runs the rest of the transform).
         distributed: split samples over torch.distributed ranks (None: when initialised);
             see ``shard_indices`` for the split and its padding.  The rank is taken when
             each epoch starts, so a loader built before ``init_process_group`` is split too.
@@ -449,20 +451,20 @@ def make_loader(
     if placement is not None and not 0 <= placement[0] < placement[1]:
         raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
     rank, world = placement or (0, 1)  # torch.distributed's is taken when an epoch starts: PackedLoader._find_rank
-    on_device = decode == "device" and reader.mode != "raw"  # a raw archive has nothing to decode
-    if on_device:
+    send = _what_workers_send(reader, decode, device, transform, decode_size)
+    if send == "bytes":
         check_decoder()
-    on_cpu = device.type == "cpu" and not on_device  # whether the workers make the batches whole
+    on_cpu = device.type == "cpu" and send == "batches"  # whether the workers make the batches whole
     sampler = BatchSampler(len(reader), batch_size, shuffle, drop_last, seed, rank, world)
     batch_reader = BatchReader(
-        reader, size=decode_size, resize_mode=resize_mode, transform=transform if on_cpu or on_device else None,
+        reader, size=decode_size, resize_mode=resize_mode, transform=transform if on_cpu or send != "batches" else None,
         on_error=on_error, seed=seed, rank=rank, pin=device.type == "cuda" and num_workers == 0,
         pool=SlotPool(num_workers) if num_workers > 0 else None,
         memory_format=memory_format if on_cpu else None,  # another device converts the batch there, cheaply
-        decode_on_device=on_device,
+        send=send,
     )
     rest = transform  # what runs on the device: all of it, or what follows a crop the workers draw
-    if on_device and batch_reader.at_decode is not None:
+    if send != "batches" and batch_reader.at_decode is not None:
         rest = batch_reader.at_decode[1]
     loader = torch.utils.data.DataLoader(
         batch_reader,
@@ -479,8 +481,22 @@ def make_loader(
         batch_reader, sampler, loader, asked, None if on_cpu else rest, prefetch, distributed, placement,
         memory_format=memory_format, return_index=return_index,
         dataset=source if isinstance(source, PackedDataset) else None,
-        decoder=DeviceDecoder(reader) if on_device else None,
+        decoder=DeviceDecoder(reader) if send != "batches" else None,
     )
+
+
+def _what_workers_send(reader: Reader, decode: str, device: torch.device, transform: Optional[Callable],
+                       size: Optional[Tuple[int, int]]) -> str:
+    """What the workers send (``BatchReader``'s ``send``): "bytes" of an encoded archive decoded on the
+    device; "crops" where another device gets an encoded archive whose transform starts with a crop
+    (cut while decoding, as on the CPU, the rest of the transform on the device); else "batches"."""
+    if reader.mode == "raw":
+        return "batches"  # nothing to decode
+    if decode == "device":
+        return "bytes"
+    if device.type != "cpu" and size is None and split_at_decode(transform) is not None:
+        return "crops"
+    return "batches"
 
 
 

@@ -73,9 +73,12 @@ class BatchReader(torch.utils.data.Dataset):
         pool: the workers' shared-memory slots (None without workers).
         memory_format: the layout of the [B,C,H,W] batches handed back (None: as read or
             transformed, a channels-last view for reads; another device converts them there).
-        decode_on_device: an encoded archive's batches leave as ``EncodedBatch``es of checked
-            bytes, their crops drawn, for the main process to decode on its device
-            (``device_decode``); the transform is then only read for its first crop.
+        send: what an encoded archive's batches leave as: "batches" (finished: decoded, and on the
+            CPU transformed), "bytes" (``EncodedBatch``es of checked JPEG bytes with their crops
+            drawn, for the main process to decode on its device, ``device_decode``; other images
+            decoded and cut here) or "crops" (``EncodedBatch``es of images decoded and cut here,
+            for a device that does the rest).  With "bytes" or "crops" the transform is only
+            read for its first crop.
 
     Pickles as its reader's description (path, index), never an open handle.
     """
@@ -93,14 +96,14 @@ class BatchReader(torch.utils.data.Dataset):
         pin: bool = False,
         pool: Optional[SlotPool] = None,
         memory_format: Optional[torch.memory_format] = None,
-        decode_on_device: bool = False,
+        send: str = "batches",
     ) -> None:
         self.reader, self.size, self.transform, self.memory_format = reader, size, transform, memory_format
         self.resize_mode = resize_mode
         self.on_error, self.seed, self.rank, self.pin, self.pool = on_error, seed, rank, pin, pool
         # an encoded archive with no decode size does the transform's first crop while decoding
         self.at_decode = split_at_decode(transform) if reader.mode != "raw" and size is None else None
-        self.decode_on_device = decode_on_device and reader.mode != "raw"
+        self.send = send if reader.mode != "raw" else "batches"
         shape = reader.manifest.shape
         self.channels = 3 if shape is None else shape[2]
         self._buffers = ProcessLocal(memory.ReusedBuffers)  # this process's read buffers
@@ -130,7 +133,7 @@ class BatchReader(torch.utils.data.Dataset):
         if transform is not None:  # the batch's randomness: crops at decode draw from it first
             seed = batch_seed(self.seed, plan.epoch, self.rank, plan.number)
             generator = torch.Generator().manual_seed(seed)
-        if self.decode_on_device:
+        if self.send != "batches":
             encoded, kept, skipped = self._for_device(idx, generator)
             labels = torch.from_numpy(np.ascontiguousarray(self.reader.labels[idx[kept]]))
             return encoded, labels, tuple(s[1] for s in skipped), encoded.indices
@@ -306,9 +309,9 @@ class BatchReader(torch.utils.data.Dataset):
 
     def _for_device(self, idx: np.ndarray, generator: Optional[torch.Generator]
                     ) -> Tuple[EncodedBatch, np.ndarray, Bad]:
-        """(the batch for decoding on the device, the places in ``idx`` of the images it holds, those
-        left out): the bytes of the JPEGs the device decodes (``device_decode.takes``), the others
-        decoded here; each image's box drawn or computed in its stored size."""
+        """(the batch for the device, the places in ``idx`` of the images it holds, those left out): the
+        bytes of the JPEGs the device decodes (``device_decode.takes``; none when sending "crops"), the
+        others decoded here; each image's box drawn or computed in its stored size."""
         found, skipped = self._encoded_blobs(idx)
         blobs = list(found)
         boxes: Optional[np.ndarray] = None
@@ -327,7 +330,7 @@ class BatchReader(torch.utils.data.Dataset):
         for j, (i, blob) in enumerate(zip(idx.tolist(), blobs)):
             if blob is None:
                 continue
-            if not device_decode.takes(blob):
+            if self.send == "crops" or not device_decode.takes(blob):
                 try:
                     if boxes is None or size is None:
                         pixels = self._decode(blob, i)

@@ -156,6 +156,38 @@ def test_a_damaged_stored_byte_is_named_by_its_checksum(samples, tmp_path):
     assert raised.value.key == key
 
 
+def test_workers_cut_crops_for_a_device_that_does_the_rest(photos, monkeypatch):
+    """What a GPU gets from an encoded archive under decode="workers" with train or val and no size:
+    crops cut while decoding in the workers (at the least DCT scale, as on the CPU), the rest of the
+    transform on the device from the batch's generator.  Run here with the CPU as that device."""
+    from packed_formats import loader as loader_module
+
+    for transform in (T.train(64), T.val(64, resize=72)):
+        workers = epoch(photos, "workers", workers=2, transform=transform)
+        monkeypatch.setattr(loader_module, "_what_workers_send", lambda *args: "crops")
+        built = pf.make_loader(photos, transform=transform)
+        assert built.batch_reader.send == "crops" and built.decoder is not None
+        crops = epoch(photos, "workers", workers=2, transform=transform)
+        monkeypatch.undo()
+        assert_same(crops, workers)
+
+
+def test_what_the_workers_send_for_each_device_and_transform(photos, tmp_path):
+    from packed_formats.loader import _what_workers_send
+
+    raw = pf.convert(photos, str(tmp_path / "raw.zip"), mode="raw", size=(32, 32), quiet=True).destination
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    with pf.open_archive(photos) as encoded, pf.open_archive(raw) as packed_raw:
+        assert _what_workers_send(encoded, "workers", cuda, T.train(64), None) == "crops"
+        assert _what_workers_send(encoded, "workers", cuda, T.val(64), None) == "crops"
+        assert _what_workers_send(encoded, "workers", cuda, T.train(64), (80, 80)) == "batches"  # resized first
+        assert _what_workers_send(encoded, "workers", cuda, T.Normalize(), (80, 80)) == "batches"
+        assert _what_workers_send(encoded, "workers", cpu, T.train(64), None) == "batches"  # all in the workers
+        assert _what_workers_send(encoded, "device", cpu, T.train(64), None) == "bytes"
+        assert _what_workers_send(encoded, "device", cuda, None, (80, 80)) == "bytes"
+        assert _what_workers_send(packed_raw, "device", cuda, T.train(16), None) == "batches"
+
+
 def test_an_unknown_place_to_decode_or_a_missing_decoder_is_refused(photos, monkeypatch):
     with pytest.raises(ValueError, match="decode must be one of"):
         pf.make_loader(photos, decode="gpu")
@@ -206,6 +238,17 @@ def test_nvjpeg_batches_match_the_cpu_decode_within_a_few_levels(photos):
         assert torch.equal(index, index2) and torch.equal(labels, labels2) and images.dtype == torch.uint8
         difference = (images.float() - images2.float()).abs()
         assert difference.mean() < 2 and difference.max() < 64  # nvJPEG's IDCT and upsampling are not libjpeg's
+
+
+@needs_cuda
+@pytest.mark.parametrize("decode", ["workers", "device"])
+def test_encoded_train_batches_on_a_gpu_need_no_size_and_match_the_cpu(photos, decode):
+    on_gpu = epoch(photos, decode, workers=2, device="cuda", transform=T.train(96))
+    on_cpu = epoch(photos, "workers", workers=2, transform=T.train(96))
+    for (images, labels, index), (images2, labels2, index2) in zip(on_gpu, on_cpu):
+        assert torch.equal(index, index2) and torch.equal(labels, labels2) and images.shape == images2.shape
+        tolerance = 1e-4 if decode == "workers" else 0.2  # the same crops; nvJPEG's pixels are not libjpeg's
+        assert (images - images2).abs().mean() < tolerance
 
 
 @needs_cuda

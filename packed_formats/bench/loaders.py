@@ -107,7 +107,7 @@ def make_loader_loader(path: str, mode: str, pipeline: str, size: int, batch_siz
     untransformed batches in channels-last layout (the archive's own; see below).
 
     Encoded archives are decoded to ``decode_size`` x ``decode_size`` so that a batch has one shape,
-    except where the transform crops while decoding (train and val on the CPU, or decoded on the device).
+    except where the transform crops while decoding (train and val).
     On CUDA, batches are pinned and copied on a side stream, and transformed on the GPU;
     ``decode="device"`` decodes encoded archives there too (nvJPEG), the workers only reading bytes.
     """
@@ -120,8 +120,8 @@ def make_loader_loader(path: str, mode: str, pipeline: str, size: int, batch_siz
                    transform=transform, drop_last=False, seed=seed)
     if decode != "workers":
         options["decode"] = decode
-    if mode == "encoded" and decode_size and (pipeline == "none" or (device != "cpu" and decode == "workers")):
-        options["size"] = decode_size  # train and val crop at decode where they can: no resize to one size first
+    if mode == "encoded" and decode_size and pipeline == "none":
+        options["size"] = decode_size  # train and val crop at decode: no resize to one size first
     if pipeline == "none" and accepts(make_loader, "memory_format"):
         # untransformed batches as read, [B,H,W,C] in memory, like the copy-bound limit's gather:
         # the default contiguous NCHW would add a transpose on the host (on a GPU it is done there)
