@@ -67,20 +67,25 @@ def resize_boxes(sizes: np.ndarray, size: Tuple[int, int], resize_mode: str) -> 
 
 def pack(
     blobs: Sequence[Optional[bytes]], boxes: Optional[np.ndarray], size: Optional[Tuple[int, int]],
-    host: Sequence[Tuple[int, np.ndarray]], indices: np.ndarray, generator: Optional[torch.Generator],
+    host_at: Sequence[int], host: "Sequence[np.ndarray] | torch.Tensor", indices: np.ndarray,
+    generator: Optional[torch.Generator],
 ) -> EncodedBatch:
-    """An ``EncodedBatch``: ``blobs[j]`` the bytes the device decodes (None for the images in ``host``,
-    (place, HxWx3 uint8 pixels) pairs), ``boxes`` and ``size`` None for images taken whole."""
+    """An ``EncodedBatch``: ``blobs[j]`` the bytes the device decodes, None for the images decoded
+    here, ``host`` (HxWx3 uint8 each, or all in one [k,H,W,3] tensor), at places ``host_at``;
+    ``boxes`` and ``size`` None for images taken whole."""
     lengths = [0 if blob is None else len(blob) for blob in blobs]
     data = np.frombuffer(b"".join(blob for blob in blobs if blob is not None), dtype=np.uint8)
-    pixels = np.stack([p for _, p in host]) if host else np.zeros((0, 0, 0, 3), dtype=np.uint8)
+    if isinstance(host, torch.Tensor):
+        pixels = host
+    else:
+        pixels = torch.from_numpy(np.stack(host) if len(host) else np.zeros((0, 0, 0, 3), dtype=np.uint8))
     return EncodedBatch(
         data=torch.from_numpy(data.copy()),
         offsets=torch.from_numpy(np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])),
         boxes=torch.from_numpy(np.zeros((0, 4), dtype=np.int64) if boxes is None else np.asarray(boxes, np.int64)),
         size=torch.tensor([] if size is None else list(size), dtype=torch.int64),
-        host=torch.from_numpy(pixels),
-        host_at=torch.tensor([j for j, _ in host], dtype=torch.int64),
+        host=pixels,
+        host_at=torch.tensor(list(host_at), dtype=torch.int64),
         indices=torch.from_numpy(np.asarray(indices, dtype=np.int64)),
         state=torch.zeros(0, dtype=torch.uint8) if generator is None else generator.get_state(),
     )

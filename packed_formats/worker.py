@@ -117,7 +117,12 @@ class BatchReader(torch.utils.data.Dataset):
                 return self._batch(plan)
             try:
                 images, labels, skipped, indices = self._batch(plan)
-                sent = self.pool.send(images) if isinstance(images, torch.Tensor) else images
+                sent: "SentBatch | EncodedBatch"
+                if isinstance(images, torch.Tensor):
+                    sent = self.pool.send(images)
+                else:  # the JPEG bytes and the crops cut here go in slots too (a slot unpickles as its tensor)
+                    data, host = (cast(torch.Tensor, self.pool.send(t)) for t in (images.data, images.host))
+                    sent = images._replace(data=data, host=host)
                 return memory.hand_back((sent, labels, skipped, indices), self.reader.path)
             finally:
                 self.pool.end_batch()
@@ -203,10 +208,18 @@ class BatchReader(torch.utils.data.Dataset):
         when a GPU waits for it; otherwise one of this process's reused
         buffers (``memory.ReusedBuffers``: never one a batch still in use lives in).
         """
-        if self.pool is not None and self.transform is None and self._reads_in_layout():
-            slot = self.pool.take(shape)
-            if slot is not None:
-                return slot
+        if self.transform is None and self._reads_in_layout():
+            return self._sent_buffer(shape)
+        if self.pin:
+            return torch.empty(shape, dtype=torch.uint8, pin_memory=True)
+        return self._buffers.get().take(shape)
+
+    def _sent_buffer(self, shape: Tuple[int, ...]) -> torch.Tensor:
+        """A uint8 tensor that leaves as it is: a shared-memory slot in a worker (else pinned for a
+        GPU, else one of this process's reused buffers)."""
+        slot = None if self.pool is None else self.pool.take(shape)
+        if slot is not None:
+            return slot
         if self.pin:
             return torch.empty(shape, dtype=torch.uint8, pin_memory=True)
         return self._buffers.get().take(shape)
@@ -326,7 +339,10 @@ class BatchReader(torch.utils.data.Dataset):
                 boxes = device_decode.resize_boxes(sizes, cast(Tuple[int, int], size), self.resize_mode)
         kept: List[int] = []
         sent: List[Optional[bytes]] = []
-        host: List[Tuple[int, np.ndarray]] = []
+        host_at: List[int] = []
+        host: "List[np.ndarray] | torch.Tensor" = []
+        if self.send == "crops" and size is not None:  # every image is cut here: straight into what is sent
+            host = self._sent_buffer((len(idx), size[0], size[1], 3))
         for j, (i, blob) in enumerate(zip(idx.tolist(), blobs)):
             if blob is None:
                 continue
@@ -341,12 +357,19 @@ class BatchReader(torch.utils.data.Dataset):
                         raise
                     skipped.append((j, self._skipped(exc, i)))
                     continue
-                host.append((len(kept), pixels))
+                if isinstance(host, torch.Tensor):
+                    host.numpy()[len(host_at)] = pixels
+                else:
+                    host.append(pixels)
+                host_at.append(len(kept))
                 blob = None
             kept.append(j)
             sent.append(blob)
         places = np.array(kept, dtype=np.int64)
-        encoded = device_decode.pack(sent, None if boxes is None else boxes[places], size, host, idx[places], generator)
+        if isinstance(host, torch.Tensor):
+            host = host[: len(host_at)]
+        encoded = device_decode.pack(sent, None if boxes is None else boxes[places], size, host_at, host,
+                                     idx[places], generator)
         return encoded, places, sorted(skipped)
 
     def _decode_crop(self, blob: bytes, i: int, box: np.ndarray, size: Tuple[int, int],

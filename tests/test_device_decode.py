@@ -172,6 +172,27 @@ def test_workers_cut_crops_for_a_device_that_does_the_rest(photos, monkeypatch):
         assert_same(crops, workers)
 
 
+@pytest.mark.parametrize("send", ["bytes", "crops"])
+def test_batches_sent_in_reused_shared_memory_slots_are_not_overwritten(mixed, monkeypatch, send):
+    """Every batch's bytes and crops travel in the workers' slots here (a 1-byte floor instead of
+    1 MiB); over three epochs each slot is reused, and no batch kept is changed by a later one."""
+    from packed_formats import loader as loader_module
+    from packed_formats.memory import SlotPool
+
+    expected = [epoch(mixed, "workers", workers=2) for _ in range(3)]
+    if send == "crops":
+        monkeypatch.setattr(loader_module, "_what_workers_send", lambda *args: "crops")
+    loader = pf.make_loader(mixed, batch_size=8, num_workers=2, seed=11, transform=T.train(160),
+                            decode="device" if send == "bytes" else "workers", return_index=True)
+    loader.batch_reader.pool = SlotPool(2, min_bytes=1)
+    kept = []
+    for number in range(3):
+        loader.sampler.set_epoch(2)
+        kept.append([tuple(batch) for batch in loader])
+    for got, want in zip(kept, expected):
+        assert_same(got, want)
+
+
 def test_what_the_workers_send_for_each_device_and_transform(photos, tmp_path):
     from packed_formats.loader import _what_workers_send
 
