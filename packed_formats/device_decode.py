@@ -74,14 +74,18 @@ def pack(
     here, ``host`` (HxWx3 uint8 each, or all in one [k,H,W,3] tensor), at places ``host_at``;
     ``boxes`` and ``size`` None for images taken whole."""
     lengths = [0 if blob is None else len(blob) for blob in blobs]
-    data = np.frombuffer(b"".join(blob for blob in blobs if blob is not None), dtype=np.uint8)
+    ends = np.cumsum(lengths, dtype=np.int64)
+    data = np.empty(int(ends[-1]) if len(ends) else 0, dtype=np.uint8)
+    for blob, end in zip(blobs, ends.tolist()):
+        if blob:
+            data[end - len(blob) : end] = np.frombuffer(blob, dtype=np.uint8)
     if isinstance(host, torch.Tensor):
         pixels = host
     else:
         pixels = torch.from_numpy(np.stack(host) if len(host) else np.zeros((0, 0, 0, 3), dtype=np.uint8))
     return EncodedBatch(
-        data=torch.from_numpy(data.copy()),
-        offsets=torch.from_numpy(np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])),
+        data=torch.from_numpy(data),
+        offsets=torch.from_numpy(np.concatenate([np.zeros(1, dtype=np.int64), ends])),
         boxes=torch.from_numpy(np.zeros((0, 4), dtype=np.int64) if boxes is None else np.asarray(boxes, np.int64)),
         size=torch.tensor([] if size is None else list(size), dtype=torch.int64),
         host=pixels,
@@ -99,19 +103,19 @@ class DeviceDecoder:
 
     def __call__(self, batch: EncodedBatch, device: torch.device) -> Tuple[torch.Tensor, Optional[torch.Generator]]:
         """(the batch's images on ``device``, its generator as the worker left it, or None)."""
-        offsets = batch.offsets.tolist()
+        offsets, indices = batch.offsets.tolist(), batch.indices.tolist()
         places = [j for j in range(len(offsets) - 1) if offsets[j + 1] > offsets[j]]
         blobs = [batch.data[offsets[j] : offsets[j + 1]] for j in places]
-        decoded = self._decode(blobs, [int(batch.indices[j]) for j in places], device)
+        decoded = self._decode(blobs, [indices[j] for j in places], device)
         boxes, size = batch.boxes.tolist(), tuple(int(v) for v in batch.size.tolist())
         host = batch.host.to(device, non_blocking=True).permute(0, 3, 1, 2)
         if size:
             shape: Tuple[int, ...] = (3,) + size
         else:
             shape = tuple(decoded[0].shape) if decoded else tuple(host.shape[1:])
-        out = self.assemble(decoded, places, boxes, shape, batch.indices, len(offsets) - 1, device)
+        out = self.assemble(decoded, places, boxes, shape, indices, device)
         if len(host):
-            self._check_shape(host[0], shape, int(batch.indices[int(batch.host_at[0])]))
+            self._check_shape(host[0], shape, indices[int(batch.host_at[0])])
             out[batch.host_at.to(device)] = host
         generator = None
         if batch.state.numel():
@@ -120,17 +124,19 @@ class DeviceDecoder:
         return out, generator
 
     def assemble(self, images: List[torch.Tensor], places: List[int], boxes: List[List[int]], shape: Tuple[int, ...],
-                 indices: torch.Tensor, count: int, device: torch.device, exact: Optional[bool] = None) -> torch.Tensor:
-        """uint8 [count, *shape] on ``device`` holding each of ``images`` at its place, its box cut out and
-        resized where there are boxes: by torch's uint8 kernel when ``exact`` (None: on the CPU), else
-        into one float batch rounded back to uint8 in one pass (a few kernels per image, not six)."""
+                 indices: List[int], device: torch.device, exact: Optional[bool] = None) -> torch.Tensor:
+        """uint8 [B, *shape] on ``device`` (B: ``len(indices)``) with each of ``images`` at its place, its
+        box cut out and resized where there are boxes: by torch's uint8 kernel when ``exact`` (None: on
+        the CPU), else into one float batch rounded back to uint8 in one pass (a few kernels per image,
+        not six)."""
         exact = (device.type == "cpu" if exact is None else exact) or not boxes
+        count = len(indices)
         out = torch.empty((count,) + shape, dtype=torch.uint8, device=device)
         staged = None if exact else torch.empty((count,) + shape, dtype=torch.float32, device=device)
         for j, image in zip(places, images):
             if boxes:
                 image = cut(image, boxes[j], shape[1:]) if exact else cut_in_float(image, boxes[j], shape[1:])
-            self._check_shape(image, shape, int(indices[j]))
+            self._check_shape(image, shape, indices[j])
             if staged is None:
                 out[j] = image
             else:

@@ -186,7 +186,7 @@ def test_batches_sent_in_reused_shared_memory_slots_are_not_overwritten(mixed, m
                             decode="device" if send == "bytes" else "workers", return_index=True)
     loader.batch_reader.pool = SlotPool(2, min_bytes=1)
     kept = []
-    for number in range(3):
+    for _ in range(3):
         loader.sampler.set_epoch(2)
         kept.append([tuple(batch) for batch in loader])
     for got, want in zip(kept, expected):
@@ -235,7 +235,7 @@ def test_the_float_resize_of_devices_is_within_a_level_of_the_uint8_kernel(photo
     with pf.open_archive(photos) as reader:
         decoder = device_decode.DeviceDecoder(reader)
         for size in [(64, 64), (224, 224), (40, 150)]:
-            args = (images, [0, 1], boxes, (3,) + size, torch.tensor([0, 1, 2]), 3, torch.device("cpu"))
+            args = (images, [0, 1], boxes, (3,) + size, [0, 1, 2], torch.device("cpu"))
             exact, floated = decoder.assemble(*args, exact=True), decoder.assemble(*args, exact=False)
             assert floated.shape == exact.shape == (3, 3) + size and floated.dtype == torch.uint8
             assert (floated[:2].int() - exact[:2].int()).abs().max() <= 1
