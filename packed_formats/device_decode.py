@@ -2,10 +2,13 @@
 
 With ``make_loader(..., decode="device")`` the workers stop decoding.  Each
 reads its batch's stored bytes (checked as ever: their CRC, and a strict
-decode of every JPEG at 1/8 scale, so a truncated or damaged image is refused
-by name before a device decoder could fill it in silently), reads the images'
-sizes from their headers, draws the transform's first crop in those sizes
-(``transforms.at_decode``) and sends the bytes on as an ``EncodedBatch``.
+decode of every JPEG at 1/8 scale the first time any worker reads it, so a
+truncated or damaged image is refused by name before a device decoder could
+fill it in silently), reads the images' sizes from their headers, draws the
+transform's first crop in those sizes (``transforms.at_decode``) and sends the
+bytes on as an ``EncodedBatch``.  On photographs the strict check costs about
+half a decode; made once per loader, a worker prepares ~2,900 images/s a core
+in the first epoch and ~40,000 after.
 
 The main process decodes the batch's JPEGs in one call to torchvision's
 batched decoder on the device (nvJPEG on CUDA), cuts each image's box out and

@@ -104,6 +104,9 @@ class BatchReader(torch.utils.data.Dataset):
         # an encoded archive with no decode size does the transform's first crop while decoding
         self.at_decode = split_at_decode(transform) if reader.mode != "raw" and size is None else None
         self.send = send if reader.mode != "raw" else "batches"
+        # which samples the device may decode, found once per loader (1: a JPEG the strict check read
+        # whole): a byte each, in memory every worker shares, so that no sample is checked twice
+        self.taken = torch.zeros(len(reader) if self.send == "bytes" else 0, dtype=torch.uint8).share_memory_()
         shape = reader.manifest.shape
         self.channels = 3 if shape is None else shape[2]
         self._buffers = ProcessLocal(memory.ReusedBuffers)  # this process's read buffers
@@ -339,6 +342,7 @@ class BatchReader(torch.utils.data.Dataset):
                 boxes = device_decode.resize_boxes(sizes, cast(Tuple[int, int], size), self.resize_mode)
         kept: List[int] = []
         sent: List[Optional[bytes]] = []
+        taken = self.taken.numpy()
         host_at: List[int] = []
         host: "List[np.ndarray] | torch.Tensor" = []
         if self.send == "crops" and size is not None:  # every image is cut here: straight into what is sent
@@ -346,7 +350,9 @@ class BatchReader(torch.utils.data.Dataset):
         for j, (i, blob) in enumerate(zip(idx.tolist(), blobs)):
             if blob is None:
                 continue
-            if self.send == "crops" or not device_decode.takes(blob):
+            if self.send == "bytes" and not taken[i] and device_decode.takes(blob):
+                taken[i] = 1  # its CRC holds it to these bytes from now on
+            if self.send == "crops" or not taken[i]:
                 try:
                     if boxes is None or size is None:
                         pixels = self._decode(blob, i)

@@ -143,6 +143,30 @@ def test_a_truncated_jpeg_is_refused_before_the_device_sees_it(samples, tmp_path
     assert all(len(blob) != len(data) // 3 for blob in seen)
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_each_jpeg_is_checked_strictly_once_per_loader_not_once_per_read(photos, monkeypatch, workers):
+    """The strict decode check costs about half a decode on photographs: it is made the first time any
+    worker reads a sample (the CRC then holds the sample to those bytes), whatever reads it later."""
+    import multiprocessing
+
+    from packed_formats import native
+
+    count, real = multiprocessing.get_context("fork").Value("i", 0), native.jpeg_decodes
+
+    def counted(data):
+        with count.get_lock():
+            count.value += 1
+        return real(data)
+
+    monkeypatch.setattr(native, "jpeg_decodes", counted)
+    loader = pf.make_loader(photos, batch_size=4, num_workers=workers, transform=T.train(64), decode="device",
+                            multiprocessing_context="fork" if workers else None)
+    for epoch_number in range(3):
+        loader.sampler.set_epoch(epoch_number)
+        assert sum(len(labels) for _, labels in loader) == 18
+    assert count.value == 18
+
+
 def test_a_damaged_stored_byte_is_named_by_its_checksum(samples, tmp_path):
     path = write(tmp_path / "damaged.zip", samples)
     data, _, key = samples[4]
