@@ -172,14 +172,19 @@ class DeviceDecoder:
 
     def _check_shape(self, image: torch.Tensor, shape: Tuple[int, ...], i: int) -> None:
         if tuple(image.shape) != shape:
-            raise PackedFormatError(
-                self.reader.path,
-                f"image is {image.shape[1]}x{image.shape[2]}, other images of the batch are {shape[1]}x{shape[2]}",
-                index=i,
-                key=self.reader.key(i),
-                hint="images of different sizes need make_loader(..., size=(height, width)) or a transform "
-                "that starts with a crop (pf.transforms.train or val)",
-            )
+            raise mixed_sizes(self.reader, i, tuple(image.shape[1:]), shape[1:])
+
+
+def mixed_sizes(reader: Reader, i: int, size: Sequence[int], batch_size: Sequence[int]) -> PackedFormatError:
+    """The error for sample i, of (height, width) ``size``, in a batch of images of ``batch_size``."""
+    return PackedFormatError(
+        reader.path,
+        f"image is {size[0]}x{size[1]}, other images of the batch are {batch_size[0]}x{batch_size[1]}",
+        index=i,
+        key=reader.key(i),
+        hint="images of different sizes need make_loader(..., size=(height, width)) or a transform "
+        "that starts with a crop (pf.transforms.train or val)",
+    )
 
 
 def decoder_error() -> Optional[str]:

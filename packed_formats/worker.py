@@ -261,18 +261,8 @@ class BatchReader(torch.utils.data.Dataset):
         crops = None if crop is None else self._crop_plan(crop, idx, blobs, skipped, generator)
         buffer = None
         for j, (i, blob) in enumerate(zip(idx.tolist(), blobs)):
-            if blob is None:
-                continue
-            try:
-                if crops is None:
-                    pixels = self._decode(blob, i)
-                else:
-                    boxes, sizes, out_size = crops
-                    pixels = self._decode_crop(blob, i, boxes[j], out_size, (int(sizes[j, 0]), int(sizes[j, 1])))
-            except CorruptSampleError as exc:
-                if self.on_error == "raise":
-                    raise
-                skipped.append((j, self._skipped(exc, i)))
+            pixels = None if blob is None else self._decoded(blob, i, j, crops, skipped)
+            if pixels is None:
                 continue
             if buffer is None:
                 buffer = self._new_buffer((len(idx),) + pixels.shape)
@@ -353,15 +343,9 @@ class BatchReader(torch.utils.data.Dataset):
             if self.send == "bytes" and not taken[i] and device_decode.takes(blob):
                 taken[i] = 1  # its CRC holds it to these bytes from now on
             if self.send == "crops" or not taken[i]:
-                try:
-                    if boxes is None or size is None:
-                        pixels = self._decode(blob, i)
-                    else:
-                        pixels = self._decode_crop(blob, i, boxes[j], size, (int(sizes[j, 0]), int(sizes[j, 1])))
-                except CorruptSampleError as exc:
-                    if self.on_error == "raise":
-                        raise
-                    skipped.append((j, self._skipped(exc, i)))
+                pixels = self._decoded(blob, i, j, None if boxes is None or size is None else (boxes, sizes, size),
+                                       skipped)
+                if pixels is None:
                     continue
                 if isinstance(host, torch.Tensor):
                     host.numpy()[len(host_at)] = pixels
@@ -377,6 +361,21 @@ class BatchReader(torch.utils.data.Dataset):
         encoded = device_decode.pack(sent, None if boxes is None else boxes[places], size, host_at, host,
                                      idx[places], generator)
         return encoded, places, sorted(skipped)
+
+    def _decoded(self, blob: bytes, i: int, j: int, crops: Optional[Tuple[np.ndarray, np.ndarray, Tuple[int, int]]],
+                 skipped: Bad) -> Optional[np.ndarray]:
+        """Image j of the batch (sample i) decoded, only its box where ``crops`` (boxes, stored sizes,
+        output size) are given; None when it is bad and skipped (noted in ``skipped``)."""
+        try:
+            if crops is None:
+                return self._decode(blob, i)
+            boxes, sizes, out_size = crops
+            return self._decode_crop(blob, i, boxes[j], out_size, (int(sizes[j, 0]), int(sizes[j, 1])))
+        except CorruptSampleError as exc:
+            if self.on_error == "raise":
+                raise
+            skipped.append((j, self._skipped(exc, i)))
+            return None
 
     def _decode_crop(self, blob: bytes, i: int, box: np.ndarray, size: Tuple[int, int],
                      stored: Tuple[int, int]) -> np.ndarray:
@@ -396,15 +395,7 @@ class BatchReader(torch.utils.data.Dataset):
 
     def _put(self, buffer: torch.Tensor, j: int, pixels: np.ndarray, i: int) -> None:
         if pixels.shape != tuple(buffer.shape[1:]):
-            h, w = pixels.shape[:2]
-            raise PackedFormatError(
-                self.reader.path,
-                f"image is {h}x{w}, other images of the batch are {buffer.shape[1]}x{buffer.shape[2]}",
-                index=i,
-                key=self.reader.key(i),
-                hint="images of different sizes need make_loader(..., size=(height, width)) or a transform "
-                "that starts with a crop (pf.transforms.train or val)",
-            )
+            raise device_decode.mixed_sizes(self.reader, i, pixels.shape[:2], tuple(buffer.shape[1:3]))
         buffer.numpy()[j] = pixels
 
     def _skipped(self, exc: CorruptSampleError, i: int) -> Skipped:
