@@ -18,7 +18,7 @@ import operator
 import os
 import shutil
 import uuid
-from typing import Any, Callable, ClassVar, Generic, Iterator, List, Optional, Sequence, Tuple, Type, TypeVar
+from typing import Any, Callable, ClassVar, Dict, Generic, Iterator, List, Optional, Sequence, Tuple, Type, TypeVar
 
 import numpy as np
 
@@ -149,6 +149,12 @@ class Backend(abc.ABC, Generic[H]):
     def sample_location(self, i: int) -> Optional[Tuple[str, int]]:
         """(file, byte offset) where sample i's stored bytes start, when the format knows it."""
         return None
+
+    def structure_problems(self, handle: H, first: int, last: int) -> Dict[int, str]:
+        """Samples first:last whose records in the format's own structure, which our reads never use
+        but other tools do (a ZIP's local headers and central directory), disagree with the index:
+        sample index -> problem.  Default: the format keeps no such records."""
+        return {}
 
     # ---- helpers for formats ----
     @property
@@ -414,6 +420,15 @@ class Reader:
         return out
 
     # ---- checks ----
+    def structure_problems(self, first: int, last: int) -> Dict[int, str]:
+        """Samples first:last whose records in the format's own structure are damaged (see
+        ``Backend.structure_problems``; ``verify_archive`` reports them): sample index -> problem."""
+        first, last = max(first, 0), min(last, len(self))
+        if first >= last:
+            return {}
+        with named_failures(self.path, "cannot check the archive's structure"):
+            return self.backend.structure_problems(self.handle(), first, last)
+
     def sample_error(self, i: int, problem: str) -> CorruptSampleError:
         """A CorruptSampleError for sample i (e.g. its bytes do not decode), naming the archive and key."""
         return self.backend.corrupt(problem, i)

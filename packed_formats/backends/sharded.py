@@ -296,6 +296,16 @@ class ShardedBackend(Backend[ShardedHandle]):
         part, j = self.locate(i)
         return part.backend.sample_location(j)
 
+    def structure_problems(self, handle: ShardedHandle, first: int, last: int) -> Dict[int, str]:
+        """Each part's own (``Reader.structure_problems``), for the samples first:last it holds."""
+        problems: Dict[int, str] = {}
+        for p in range(part_of(self.starts, first)[0], part_of(self.starts, last - 1)[0] + 1):
+            start = int(self.starts[p])
+            with self._part(p) as part:
+                found = part.structure_problems(max(first, start) - start, min(last, int(self.starts[p + 1])) - start)
+            problems.update((start + j, problem) for j, problem in found.items())
+        return problems
+
     def close(self) -> None:
         for part in self.parts:
             part.close()

@@ -13,6 +13,11 @@ shares the index through the page cache.  Archives without a locator (written
 by earlier versions, or rewritten by other tools) are read through
 ``zipfile``, which parses the whole central directory.
 
+Reads never look at a sample's local header or central directory entry
+(opening checks the first and last sample's local headers), but every other
+ZIP tool does: ``verify`` checks them all against the index
+(``ZipBackend.structure_problems``), reading the central directory once.
+
 The index stores each sample's absolute byte position, so a read is one
 ``os.pread`` on a per-process file descriptor: no shared ``ZipFile`` seek
 state, nothing to corrupt across fork.  Raw batches are gathered from a
@@ -27,9 +32,10 @@ a truncation between that check and the read can still end the process.
 from __future__ import annotations
 
 import io
+import mmap
 import os
 import zipfile
-from typing import BinaryIO, Dict, Iterator, Optional, Tuple
+from typing import BinaryIO, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -43,8 +49,10 @@ from .base import DAMAGED_HINT, Backend, FormatSpec, Handle, Writer
 from .zip_records import (
     CENTRAL_HEADER,
     LOCAL_HEADER,
+    STORED,
     TAIL,
     ZIP64_LIMIT,
+    CentralEntries,
     End,
     LayoutError,
     LocalHeader,
@@ -58,6 +66,7 @@ from .zip_records import (
     local_header_size,
     padding,
     parse_local_header,
+    read_central_entries,
     with_zip64,
 )
 
@@ -71,6 +80,11 @@ _LOCAL_HEADER_MAX = LOCAL_HEADER.size + 2 * 0xFFFF  # with the longest name and 
 
 def member_name(i: int, extension: str) -> str:
     return f"samples/{i:09d}.{extension}"
+
+
+def extension_code(mode: str, blob) -> int:
+    """The EXTENSIONS code of a sample's member name: raw, else what its bytes are (``sniff``)."""
+    return 0 if mode == "raw" else {"jpeg": 1, "png": 2}.get(sniff(blob) or "", 3)
 
 
 def sample_names(first: int, kinds: np.ndarray) -> np.ndarray:
@@ -135,7 +149,7 @@ class ZipWriter(Writer):
     def append(self, blob: bytes, i: int, crc: int) -> int:
         if i != len(self._kinds):
             raise ValueError(f"sample {i} appended after {len(self._kinds)} samples: samples come in order")
-        kind = 0 if self.mode == "raw" else {"jpeg": 1, "png": 2}.get(sniff(blob) or "", 3)
+        kind = extension_code(self.mode, blob)
         header = local_header(member_name(i, EXTENSIONS[kind]).encode(), len(blob), crc, limit=self.zip64_limit)
         offset = self._write(header, blob)
         self._kinds.append(kind)
@@ -204,12 +218,17 @@ class ZipWriter(Writer):
 
 
 class ZipHandle(Handle):
-    """A per-process file descriptor and, after the first raw batch, the file's mapped sample rows."""
+    """A per-process file descriptor and, after the first raw batch, the file's mapped sample rows;
+    for structure checks, a map of the whole file and how far its central directory was read."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
         self.size = os.fstat(fd).st_size  # the index may be mapped from the file: it must keep this size
         self.rows: "Optional[mapped.MappedRows | bool]" = None  # False: not mappable (shorter than its index)
+        self.map: Optional[mmap.mmap] = None
+        self.directory: Optional[np.ndarray] = None  # the file's bytes up to its central directory's end
+        self.directory_offset = 0  # where the central directory starts
+        self.next_entry = (0, 0)  # (sample, byte): the entry the last structure check stopped before
 
     def mapped_rows(self, positions: np.ndarray, nbytes: int) -> "Optional[mapped.MappedRows]":
         if self.rows is None:
@@ -220,10 +239,23 @@ class ZipHandle(Handle):
         """FileTruncatedError when the file shrank since it was opened (its mapped index would SIGBUS)."""
         mapped.check_file_size(self.fd, self.size)
 
+    def file_bytes(self) -> np.ndarray:
+        """The whole file as read-only uint8, from a map made on first use (the size checked first)."""
+        self.check_size()
+        if self.map is None:
+            self.map = mmap.mmap(self.fd, self.size, access=mmap.ACCESS_READ)
+        return np.frombuffer(self.map, dtype=np.uint8)
+
     def close(self) -> None:
         if isinstance(self.rows, mapped.MappedRows):
             self.rows.close()
-        self.rows = None
+        self.rows = self.directory = None
+        if self.map is not None:
+            try:
+                self.map.close()
+            except BufferError:  # a view still lives somewhere; unmapped when it dies
+                pass
+            self.map = None
         os.close(self.fd)
 
     def discard_inherited(self) -> None:
@@ -288,6 +320,165 @@ class ZipBackend(Backend[ZipHandle]):
 
     def sample_location(self, i: int) -> Tuple[str, int]:
         return self.path, int(self.positions[i])
+
+    def structure_problems(self, handle: ZipHandle, first: int, last: int) -> Dict[int, str]:
+        """Samples first:last whose local header or central directory entry is not that of their member
+        (see ``_StructureCheck``): what ZIP tools read, which our reads never look at."""
+        problems: Dict[int, str] = {}
+        while first < last:
+            stop = min(last, _next_power_of_ten(first))  # member names of one width
+            problems.update(_StructureCheck(self, handle, first, stop).problems())
+            first = stop
+        return problems
+
+
+# ---- checking the samples' ZIP records (verify) -----------------------------------------------------------
+class _StructureCheck:
+    """The local headers and central directory entries of samples first:last (member names of one
+    width) against the index, each field of many samples compared at once.
+
+    Samples are the archive's first members and its central directory's first entries, in order,
+    each local header right after the previous sample's bytes (the first at byte 0): so the writer
+    lays them out, and so did ``zipfile`` for archives of the earlier layout.  Each sample's member
+    must be STORED, named ``member_name(i, extension)`` for what its bytes are, with the index's
+    CRC32 and size.  Fields that tools need not read a member right (times, attributes) are not
+    compared.  The central directory is read on from where the previous check of the same handle
+    stopped, so checking a whole archive in order reads it once.
+    """
+
+    def __init__(self, backend: ZipBackend, handle: ZipHandle, first: int, last: int) -> None:
+        self.backend, self.handle, self.first = backend, handle, first
+        self.data = handle.file_bytes()
+        self.positions = backend.positions[first:last].astype(np.int64)
+        self.sizes = np.diff(backend.offsets[first : last + 1]).astype(np.int64)
+        self.crc = backend._required(backend.index.crc32, "crc32")[first:last].astype(np.int64)
+        previous_end = int(backend.positions[first - 1]) + backend.index.nbytes(first - 1) if first else 0
+        self.headers = np.concatenate(([previous_end], self.positions[:-1] + self.sizes[:-1])).astype(np.int64)
+        self.names = sample_names(first, self._extension_codes())
+
+    def problems(self) -> Dict[int, str]:
+        """Sample index -> what is wrong with its local header and central directory entry."""
+        local, central = self._local_problems(), self._central_problems()
+        return {i: "; ".join(p for p in (local.get(i), central.get(i)) if p) for i in sorted({*local, *central})}
+
+    def _extension_codes(self) -> np.ndarray:
+        """``extension_code`` of each sample, from its first 8 bytes (all ``sniff`` reads): once per
+        distinct head, and for each sample shorter than that."""
+        if self.backend.manifest.mode == "raw":
+            return np.zeros(len(self.positions), np.uint8)
+        heads = _rows(self.data, self.positions, 8).view(np.uint64).reshape(-1)
+        distinct, which = np.unique(heads, return_inverse=True)
+        codes = np.array([extension_code("encoded", head.tobytes()) for head in distinct], np.uint8)[which]
+        for j in np.flatnonzero(self.sizes < 8):
+            codes[j] = extension_code("encoded", self.data[self.positions[j] : self.positions[j] + self.sizes[j]])
+        return codes
+
+    def _local_problems(self) -> Dict[int, str]:
+        dtype = np.dtype([("header", LOCAL_HEADER.dtype), ("name", self.names.dtype)])
+        at = self.headers
+        fields = _rows(self.data, at, dtype.itemsize).view(dtype).reshape(-1)
+        header = fields["header"]
+        lengths = header["name_length"].astype(np.int64), header["extra_length"].astype(np.int64)
+        name_at = at + LOCAL_HEADER.size
+        data_at = name_at + lengths[0] + lengths[1]
+        size, compressed = header["size"].astype(np.int64), header["compressed"].astype(np.int64)
+        for j in np.flatnonzero((size == ZIP64_LIMIT) | (compressed == ZIP64_LIMIT)):  # sizes in a ZIP64 field
+            try:
+                wide = parse_local_header(bytes(self.data[at[j] : data_at[j]]), int(at[j]))
+                size[j], compressed[j] = wide.size, wide.compressed
+            except LayoutError:
+                pass  # none: the sizes read as wrong
+        stored_crc = header["crc32"]
+        return self._first_failures("ZIP local header", at, [
+            (header["signature"] != int.from_bytes(LOCAL_HEADER.signature, "little"),
+             lambda j: "not found (no signature where this sample's member should start)"),
+            ((lengths[0] != self.names.dtype.itemsize) | (fields["name"] != self.names),
+             lambda j: f"names {_shown(self.data[name_at[j] : name_at[j] + min(lengths[0][j], 200)])} "
+                       f"instead of {_shown(self.names[j])}"),
+            (header["method"] != STORED, lambda j: f"compression method {header['method'][j]}, not STORED"),
+            (stored_crc != self.crc, lambda j: f"stored CRC {stored_crc[j]:08x}, index says {self.crc[j]:08x}"),
+            (size != self.sizes, lambda j: f"stored size {size[j]}, index says {self.sizes[j]}"),
+            (compressed != self.sizes, lambda j: f"stored compressed size {compressed[j]}, index says {self.sizes[j]}"),
+            (data_at != self.positions,
+             lambda j: f"the sample's data would start at byte {data_at[j]}, index says {self.positions[j]}"),
+        ])
+
+    def _central_problems(self) -> Dict[int, str]:
+        entries = self._central_entries()
+        found = len(entries.at)
+        names, crc, sizes, headers = self.names[:found], self.crc[:found], self.sizes[:found], self.headers[:found]
+        method, stored_crc = entries.header["method"], entries.header["crc32"]
+        problems = self._first_failures("central directory entry", entries.at, [
+            ((entries.header["name_length"] != self.names.dtype.itemsize) | (entries.name != names),
+             lambda j: f"names {_shown(entries.name[j])} instead of {_shown(names[j])}"),
+            (method != STORED, lambda j: f"compression method {method[j]}, not STORED"),
+            (stored_crc != crc, lambda j: f"stored CRC {stored_crc[j]:08x}, index says {crc[j]:08x}"),
+            (entries.size != sizes, lambda j: f"stored size {entries.size[j]}, index says {sizes[j]}"),
+            (entries.compressed != sizes,
+             lambda j: f"stored compressed size {entries.compressed[j]}, index says {sizes[j]}"),
+            (entries.offset != headers,
+             lambda j: f"local header offset {entries.offset[j]}, "
+                       f"but the sample's local header is at byte {headers[j]}"),
+        ])
+        for i in range(self.first + found, self.first + len(self.names)):
+            problems[i] = (f"the central directory cannot be read from byte {entries.end} on, "
+                           f"where the entry of sample {self.first + found} should start")
+        return problems
+
+    def _central_entries(self) -> CentralEntries:
+        """Entries first:last of the central directory, fewer when it cannot be read that far."""
+        handle, first, last = self.handle, self.first, self.first + len(self.names)
+        if handle.directory is None:
+            end = _directory_end(self.backend.path, handle)
+            handle.directory = self.data[: end.directory_offset + end.directory_size]
+            handle.directory_offset = end.directory_offset
+            handle.next_entry = (0, end.directory_offset)
+        sample, at = handle.next_entry
+        if sample > first:  # checked out of order: from the directory's start again
+            sample, at = 0, handle.directory_offset
+        if sample < first:
+            skipped = read_central_entries(handle.directory, at, first - sample)
+            if len(skipped.at) < first - sample:
+                return read_central_entries(handle.directory, skipped.end, 0)
+            at = skipped.end
+        entries = read_central_entries(handle.directory, at, last - first)
+        handle.next_entry = (first + len(entries.at), entries.end)
+        return entries
+
+    def _first_failures(self, record: str, at: np.ndarray, checks: List[Tuple[np.ndarray, Callable[[int], str]]]
+                        ) -> Dict[int, str]:
+        """Sample index -> "<record> at byte <at>: <problem>" of the first of the ``checks`` (the samples
+        failing it, what to say of the j-th) that the sample fails."""
+        problems: Dict[int, str] = {}
+        for bad, describe in checks:
+            for j in np.flatnonzero(bad).tolist():
+                if self.first + j not in problems:
+                    problems[self.first + j] = f"{record} at byte {at[j]}: {describe(j)}"
+        return problems
+
+
+def _rows(data: np.ndarray, starts: np.ndarray, width: int) -> np.ndarray:
+    """``data[s : s + width]`` for each of ``starts``, as one [len(starts), width] array (a start too near
+    the end reads the last ``width`` bytes instead: they fail whatever check reads them)."""
+    windows = np.lib.stride_tricks.as_strided(data, (len(data) - width + 1, width), (1, 1), writeable=False)
+    return windows[np.clip(starts, 0, len(windows) - 1)]
+
+
+def _shown(name: "bytes | np.ndarray") -> str:
+    """A member name as quoted in a problem: 'samples/000000001.jpg', bytes outside ASCII escaped."""
+    return repr(bytes(name))[1:]
+
+
+def _directory_end(path: str, handle: ZipHandle) -> End:
+    """Where the archive's central directory lies (CorruptArchiveError when that cannot be read)."""
+    try:
+        tail = _pread(handle.fd, min(handle.size, TAIL), handle.size - min(handle.size, TAIL))
+        end = find_end(tail, handle.size)
+        if end is None:
+            raise LayoutError("no ZIP end record closes the file")
+        return with_zip64(tail, handle.size, end)
+    except LayoutError as exc:
+        raise CorruptArchiveError(path, str(exc), hint=DAMAGED_HINT) from None
 
 
 # ---- opening through the locator -------------------------------------------------------------------------

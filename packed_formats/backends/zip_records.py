@@ -2,8 +2,8 @@
 
 Each record is a list of little-endian fields, from which come both a
 ``struct.Struct`` (to pack or parse one record) and a numpy structured dtype
-(to build the central directory of many members at once, without a Python
-object per member).  ZIP64 is used wherever a value reaches its 32-bit field's
+(to build the central directory of many members at once, or read it back for
+``verify``, without a Python object per member).  ZIP64 is used wherever a value reaches its 32-bit field's
 limit (``limit``, lowered by tests to reach that branch with small files) or
 there are more than 65,535 entries.
 
@@ -251,6 +251,7 @@ class LocalHeader(NamedTuple):
     crc32: int
     size: int
     data: int  # where the member's bytes start
+    compressed: int  # its compressed size (a STORED member's is its size)
 
 
 def parse_local_header(data: bytes, offset: int) -> LocalHeader:
@@ -266,20 +267,113 @@ def parse_local_header(data: bytes, offset: int) -> LocalHeader:
     extra_end = name_end + fields["extra_length"]
     if len(data) < extra_end:
         raise LayoutError(f"the ZIP local header at byte {offset} is cut short")
-    size = fields["size"]
-    if size == ZIP64_LIMIT:
-        size = _zip64_size(data[name_end:extra_end], offset)
-    return LocalHeader(data[LOCAL_HEADER.size : name_end], fields["method"], fields["crc32"], size, offset + extra_end)
+    sizes = widen((fields["size"], fields["compressed"]), data[name_end:extra_end])
+    if sizes is None:
+        raise LayoutError(f"the ZIP local header at byte {offset} has no ZIP64 size")
+    size, compressed = sizes
+    return LocalHeader(data[LOCAL_HEADER.size : name_end], fields["method"], fields["crc32"], size, offset + extra_end,
+                       compressed)
 
 
-def _zip64_size(extra: bytes, offset: int) -> int:
+def widen(values: Sequence[int], extra: bytes) -> Optional[Tuple[int, ...]]:
+    """A member's ``values`` (size, compressed size, then, in the central directory, its local header
+    offset), each one that is ZIP64_LIMIT replaced, in turn, by the next value of the ZIP64 field among
+    the extra fields ``extra``; None when that field is missing or holds too few values."""
+    wanted = sum(value == ZIP64_LIMIT for value in values)
+    if not wanted:
+        return tuple(values)
     at = 0
     while at + 4 <= len(extra):
         tag, length = struct.unpack_from("<HH", extra, at)
-        if tag == ZIP64_TAG and length >= 8 and at + 4 + length <= len(extra):
-            return struct.unpack_from("<Q", extra, at + 4)[0]
+        if tag == ZIP64_TAG and length >= 8 * wanted and at + 4 + length <= len(extra):
+            wide = iter(struct.unpack_from(f"<{wanted}Q", extra, at + 4))
+            return tuple(next(wide) if value == ZIP64_LIMIT else value for value in values)
         at += 4 + length
-    raise LayoutError(f"the ZIP local header at byte {offset} has no ZIP64 size")
+    return None
+
+
+class CentralEntries(NamedTuple):
+    """Consecutive central directory entries as columns, their ZIP64 values filled in."""
+
+    at: np.ndarray  # int64: where each entry starts
+    header: np.ndarray  # CENTRAL_HEADER.dtype, as stored
+    name: np.ndarray  # fixed-width bytes
+    size: np.ndarray  # size, compressed size and local header offset: int64, with the ZIP64 field's
+    compressed: np.ndarray  # values where the entry's are ZIP64_LIMIT (left so when it has no such field)
+    offset: np.ndarray
+    end: int  # where the entry after the last one starts (or would: bytes there may be no entry)
+
+
+_RUN_FIRST, _RUN_MOST = 64, 1 << 14  # entries viewed at a time: at first after a change of length, at most
+_WIDE_VALUES = ("size", "compressed", "offset")  # a central directory entry's values a ZIP64 field holds, in order
+
+
+def read_central_entries(data: np.ndarray, at: int, count: int) -> CentralEntries:
+    """Up to ``count`` central directory entries from byte ``at`` of ``data`` (a file's bytes, uint8,
+    up to the end of its central directory); fewer when bytes that are not an entry come first.
+
+    Entries are read a run of equally long ones at a time (ours are one or two runs: entries
+    get a ZIP64 field from some offset on), each run one structured view of the bytes, checked
+    to hold entries as long as its first; only ZIP64 fields laid out otherwise than ours are
+    read one entry at a time.
+    """
+    runs, step = [], _RUN_FIRST
+    while count > 0:
+        first = CENTRAL_HEADER.unpack(bytes(data[at : at + CENTRAL_HEADER.size]))
+        if first is None:
+            break
+        shape = first["name_length"], first["extra_length"], first["comment_length"]
+        dtype = _central_entry(*shape)
+        take = min(count, step, (len(data) - at) // dtype.itemsize)
+        if take == 0:
+            break
+        header = data[at : at + take * dtype.itemsize].view(dtype)["header"]
+        same = header["signature"] == int.from_bytes(CENTRAL_HEADER.signature, "little")
+        for field, length in zip(("name_length", "extra_length", "comment_length"), shape):
+            same &= header[field] == length
+        taken = take if same.all() else int(np.argmin(same))
+        runs.append(_central_columns(data, at, data[at : at + taken * dtype.itemsize].view(dtype), shape[0]))
+        at, count = at + taken * dtype.itemsize, count - taken
+        step = min(2 * step, _RUN_MOST) if taken == take else _RUN_FIRST
+    if not runs:
+        empty = np.zeros(0, np.int64)
+        runs.append((empty, np.zeros(0, CENTRAL_HEADER.dtype), np.zeros(0, "S1"), empty, empty, empty))
+    starts, header, name, size, compressed, offset = (np.concatenate(column) for column in zip(*runs))
+    return CentralEntries(starts, header, name, size, compressed, offset, at)
+
+
+def _central_entry(name_length: int, extra_length: int, comment_length: int) -> np.dtype:
+    """A central directory entry with a name, extra fields and comment of these lengths, with a view
+    of its first extra field as our ZIP64 field when there is room for one."""
+    fields = {"header": (CENTRAL_HEADER.dtype, 0)}
+    if name_length:
+        fields["name"] = (np.dtype(f"S{name_length}"), CENTRAL_HEADER.size)
+    if extra_length >= ZIP64_CENTRAL_EXTRA.itemsize:
+        fields["zip64"] = (ZIP64_CENTRAL_EXTRA, CENTRAL_HEADER.size + name_length)
+    size = CENTRAL_HEADER.size + name_length + extra_length + comment_length
+    return np.dtype({"names": list(fields), "formats": [f for f, _ in fields.values()],
+                     "offsets": [o for _, o in fields.values()], "itemsize": size})
+
+
+def _central_columns(data: np.ndarray, at: int, entries: np.ndarray, name_length: int) -> Tuple[np.ndarray, ...]:
+    """The columns of CentralEntries (but ``end``) for a run of equally long entries starting at byte ``at``."""
+    header, count = entries["header"], len(entries)
+    starts = at + np.arange(count, dtype=np.int64) * entries.dtype.itemsize
+    names = entries["name"] if name_length else np.zeros(count, "S1")
+    values = np.stack([header[field].astype(np.int64) for field in _WIDE_VALUES])
+    wide = (values == ZIP64_LIMIT).any(axis=0)
+    if wide.any():
+        ours = np.zeros(count, bool)  # the ZIP64 field the writer writes: first, holding all three
+        if "zip64" in (entries.dtype.names or ()):
+            zip64 = entries["zip64"]
+            ours = (values == ZIP64_LIMIT).all(axis=0) & (zip64["tag"] == ZIP64_TAG)
+            ours &= zip64["length"] >= ZIP64_CENTRAL_EXTRA.itemsize - 4
+            values[:, ours] = np.stack([zip64[field][ours] for field in _WIDE_VALUES])
+        extra_at = CENTRAL_HEADER.size + name_length
+        for j in np.flatnonzero(wide & ~ours):  # any other layout, one entry at a time
+            extra = bytes(data[starts[j] + extra_at : starts[j] + extra_at + header["extra_length"][j]])
+            values[:, j] = widen(values[:, j].tolist(), extra) or values[:, j]
+    return starts, header, names, values[0], values[1], values[2]
 
 
 # ---- the locator: our end record's comment ----------------------------------------------------------------

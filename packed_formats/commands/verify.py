@@ -6,7 +6,8 @@ import argparse
 
 from ..verify import verify_archive
 
-HELP = "check every sample's checksum (and with --decode that every image decodes); exit 1 if any is bad"
+HELP = ("check every sample's checksum, its ZIP records in a ZIP archive, and with --decode that every "
+        "image decodes; exit 1 if any is bad")
 EXAMPLES = """examples:
   packed-formats verify train.zip
   packed-formats verify train.lmdb --decode          # also decode every encoded sample
