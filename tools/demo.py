@@ -18,7 +18,7 @@ import argparse
 import os
 import sys
 import time
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch.utils.data import DataLoader
@@ -60,10 +60,9 @@ def dataset_rate(path: str, workers: int, batch_size: int) -> float:
         return timed_second_epoch(loader)
 
 
-def fast_path_rate(path: str, workers: int, batch_size: int, size: Tuple[int, int]) -> float:
-    """images/s of ``pf.make_loader``; an encoded archive's images of many sizes decoded to ``size``."""
-    encoded = pf.open_archive(path).manifest.mode == "encoded"
-    options = dict(size=size, resize_mode="shorter-side-center-crop") if encoded else {}
+def fast_path_rate(path: str, workers: int, batch_size: int, size: Optional[Tuple[int, int]]) -> float:
+    """images/s of ``pf.make_loader``; with ``size``, an encoded archive's images of many sizes decoded to it."""
+    options = {} if size is None else dict(size=size, resize_mode="shorter-side-center-crop")
     return timed_second_epoch(
         pf.make_loader(path, batch_size=batch_size, shuffle=True, num_workers=workers, **options)
     )
@@ -112,7 +111,8 @@ def main() -> int:
         manifest = pf.open_archive(path).manifest
         layout = "x".join(map(str, manifest.shape)) if manifest.shape else f"{manifest.encoding} files"
         rate = dataset_rate(path, args.workers, args.batch_size)
-        fast = None if fmt == "folder" else fast_path_rate(path, args.workers, args.batch_size, size)
+        decode_size = size if mode == "encoded" else None
+        fast = None if fmt == "folder" else fast_path_rate(path, args.workers, args.batch_size, decode_size)
         baseline = baseline or rate
         best = max(rate, fast or 0)
         print(

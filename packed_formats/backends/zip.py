@@ -276,8 +276,7 @@ class ZipBackend(Backend[ZipHandle]):
             raise CorruptArchiveError(path, f"cannot read the archive index: {exc}") from None
         try:
             size = os.fstat(fd).st_size
-            tail = _pread(fd, min(size, TAIL), size - min(size, TAIL))
-            end = find_end(tail, size)
+            tail, end = _end_record(fd, size)
             if end is None or not Locator.marks(end.comment):
                 _check_cut_locator(path, tail, end)
                 return _read_with_zipfile(path)
@@ -472,8 +471,7 @@ def _shown(name: "bytes | np.ndarray") -> str:
 def _directory_end(path: str, handle: ZipHandle) -> End:
     """Where the archive's central directory lies (CorruptArchiveError when that cannot be read)."""
     try:
-        tail = _pread(handle.fd, min(handle.size, TAIL), handle.size - min(handle.size, TAIL))
-        end = find_end(tail, handle.size)
+        tail, end = _end_record(handle.fd, handle.size)
         if end is None:
             raise LayoutError("no ZIP end record closes the file")
         return with_zip64(tail, handle.size, end)
@@ -487,6 +485,13 @@ def _pread(fd: int, size: int, offset: int) -> bytes:
     if len(data) != size:
         raise LayoutError(f"read {len(data)} of {size} bytes at byte {offset}: the file is truncated")
     return data
+
+
+def _end_record(fd: int, size: int) -> Tuple[bytes, Optional[End]]:
+    """The last bytes of a file of ``size`` bytes (where its end record must lie) and the end record
+    closing it there (``find_end``: its 32-bit values), or None."""
+    tail = _pread(fd, min(size, TAIL), size - min(size, TAIL))
+    return tail, find_end(tail, size)
 
 
 def _check_cut_locator(path: str, tail: bytes, end: Optional[End]) -> None:
