@@ -24,6 +24,7 @@ from .backends.folder import IMAGE_EXTENSIONS
 from .errors import ArchiveNotFoundError, PackedFormatError, SampleIndexError, note_fields
 from .handles import ProcessLocal
 from .index import SampleIndex, decode_key
+from .tracebacks import drops_frames
 
 OUTPUTS = ("tensor", "pil", "numpy")
 _CHUNK = 1 << 16  # rows converted to Python objects at a time when a view is iterated
@@ -60,6 +61,7 @@ class PackedDataset(torch.utils.data.Dataset):
 
     extensions: Tuple[str, ...] = IMAGE_EXTENSIONS  # the image files conversion takes from a folder, as ImageFolder's
 
+    @drops_frames
     def __init__(
         self,
         source: "str | os.PathLike[str] | Reader",
@@ -156,6 +158,7 @@ class PackedDataset(torch.utils.data.Dataset):
                 classes = reader.classes
         return classes, {name: i for i, name in enumerate(classes)}
 
+    @drops_frames  # an error kept by its catcher must not keep this dataset's handle open
     def loader(self, sample: "str | int") -> Image.Image:
         """Sample ``key`` (a key of ``samples``) or at index ``i``, decoded as ImageFolder's loader opens a path.
 
@@ -196,17 +199,22 @@ class PackedDataset(torch.utils.data.Dataset):
         return f"PackedDataset({self.reader!r}, output={self.output!r})"
 
     # ---- samples ----------------------------------------------------------------------
+    @drops_frames
     def __getitem__(self, i: int) -> Tuple[Any, Any]:
         with _fields_noted_in_workers():
             i = self.reader.check_index(i)
             return self._sample(self.reader.read(i), i)
 
+    @drops_frames
     def __getitems__(self, indices: Sequence[int]) -> List[Tuple[Any, Any]]:
         """The same list ``[self[i] for i in indices]`` would give, read as one batch."""
         with _fields_noted_in_workers():
             idx = self.reader.check_indices(indices)
             stored = self.reader.read_many(idx)
-            return [self._sample(stored[j], int(i)) for j, i in enumerate(idx)]
+            samples = []  # a loop, not a comprehension: in its frame's closure an error's traceback would keep self
+            for j, i in enumerate(idx):
+                samples.append(self._sample(stored[j], int(i)))
+            return samples
 
     def _sample(self, stored: Any, i: int) -> Tuple[Any, Any]:
         image = self._to_output(stored, i, self.output)

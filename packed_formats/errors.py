@@ -21,18 +21,21 @@ class PackedFormatError(Exception):
     ``except pf.CorruptSampleError`` works with ``num_workers > 0`` too.  When
     that message carries the fields' note (``note_fields``, which a
     PackedDataset adds in a worker), the path, index, key and hint come back
-    from it as well.
+    from it as well.  ``message=`` gives the whole message by name (see ``message``).
     """
 
     def __init__(
         self,
-        path: "os.PathLike[str] | str | None",
+        path: "os.PathLike[str] | str | None" = None,
         problem: Optional[str] = None,
         *,
         index: Optional[int] = None,
         key: Optional[str] = None,
         hint: Optional[str] = None,
+        message: Optional[str] = None,
     ) -> None:
+        if message is not None:
+            path, problem = message, None
         if problem is None:  # one argument: a complete message
             message = "" if path is None else os.fspath(path)
             noted = _noted_fields(message) or {"path": None, "problem": message, "index": index, "key": key,
@@ -47,6 +50,17 @@ class PackedFormatError(Exception):
         self.key = key
         self.hint = hint
         super().__init__(self._message())
+
+    @property
+    def message(self) -> str:
+        """The whole message, as ``str(error)``.
+
+        Having it makes torch's DataLoader re-raise a worker's error in the main process as
+        ``cls(message=text)``, raised at once; without it, torch keeps ``cls(text)`` in a variable
+        of the frame that raises it, a reference cycle through the error's traceback that keeps the
+        DataLoader's iterator and its worker processes alive until the garbage collector runs.
+        """
+        return str(self)
 
     def without_hint(self) -> str:
         """The message without its advice, for a report where the advice was already taken."""
@@ -122,6 +136,18 @@ class ArchiveNotFoundError(PackedFormatError, FileNotFoundError):
     """The path does not exist."""
 
 
+class ArchivePermissionError(PackedFormatError, PermissionError):
+    """A file of the archive (the archive itself, a part, a member file) may not be read by this user."""
+
+    @classmethod
+    def denied(cls, archive: "os.PathLike[str] | str", file: "os.PathLike[str] | str | None" = None
+               ) -> "ArchivePermissionError":
+        """The error for ``file`` (default: the archive itself) of ``archive``, which this user may not read."""
+        name = os.fspath(archive if file is None else file)
+        return cls(archive, f"permission denied: this user may not read {name}",
+                   hint="ask its owner for read permission (`ls -l` shows who may read it)")
+
+
 class UnknownFormatError(PackedFormatError):
     """The path exists but is not an archive this library can read."""
 
@@ -143,7 +169,14 @@ class IncompleteArchiveError(CorruptArchiveError):
 
 
 class ArchiveChangedError(PackedFormatError):
-    """The archive file was replaced or modified after it was opened."""
+    """The archive file was replaced or modified after it was opened.
+
+    Each read and each batch first checks that the archive's files kept the size and
+    modification time they had when it was opened (``Reader.check_unchanged``): a file
+    rewritten in place (``cp other.zip train.zip`` while a job reads ``train.zip``) raises
+    this, naming it, instead of serving the other archive's samples and labels.  Open the
+    archive (dataset, loader) again to read it as it is now.
+    """
 
 
 class CorruptSampleError(PackedFormatError):

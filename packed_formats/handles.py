@@ -178,28 +178,33 @@ class ProcessLocal(Generic[T]):
 class SharedHandle:
     """One user's claim on this process's shared handle for ``key``.
 
-    ``get()`` acquires the handle on first use in each process (fresh, forked
-    or unpickled owner) and returns it; ``release()`` gives the use back.  It
-    pickles as its key and callables, never the handle.
+    ``get(open)`` acquires the handle on first use in each process (fresh,
+    forked or unpickled owner), opening it with ``open()`` if no user in the
+    process holds it yet, and returns it; ``release()`` gives the use back.
+    It pickles as its key and callables, never the handle.
+
+    The opener is given to each ``get`` rather than kept: an owner that kept
+    one of its own bound methods here would hold itself in a reference cycle,
+    and its handle would stay open after its last user dropped it, until the
+    garbage collector ran (HDF5 and LMDB then refuse other opens of the file).
     """
 
     def __init__(
         self,
         key: Key,
-        open: Callable[[], Any],
         close: Callable[[Any], None],
         discard: Optional[Callable[[Any], None]] = None,
     ) -> None:
-        self.key, self._open, self._close, self._discard = key, open, close, discard
+        self.key, self._close, self._discard = key, close, discard
         self._held_in_pid: Optional[int] = None
 
-    def get(self) -> Any:
-        """This process's handle (opened on first use)."""
+    def get(self, open: Callable[[], Any]) -> Any:
+        """This process's handle (opened with ``open()`` on first use)."""
         pid = os.getpid()
         if self._held_in_pid != pid:
             with _lock:  # threads racing to the first use must take one use, not one each
                 if self._held_in_pid != pid:
-                    handle = acquire(self.key, self._open, self._close, self._discard)
+                    handle = acquire(self.key, open, self._close, self._discard)
                     self._held_in_pid = pid
                     return handle
         return _table.entries[self.key].handle
@@ -227,15 +232,15 @@ class SharedHandle:
 def borrowed(key: Key, open: Callable[[], Any], close: Callable[[Any], None]) -> "_Borrowed":
     """A context manager giving this process's handle for ``key`` for one block: the open
     one if some user holds it, else one opened for the block and closed after it."""
-    return _Borrowed(SharedHandle(key, open, close))
+    return _Borrowed(SharedHandle(key, close), open)
 
 
 class _Borrowed:
-    def __init__(self, claim: SharedHandle) -> None:
-        self.claim = claim
+    def __init__(self, claim: SharedHandle, open: Callable[[], Any]) -> None:
+        self.claim, self.open = claim, open
 
     def __enter__(self) -> Any:
-        return self.claim.get()
+        return self.claim.get(self.open)
 
     def __exit__(self, *exc: Any) -> None:
         self.claim.release()

@@ -45,3 +45,31 @@ def test_handles_are_shared_and_closed_with_their_last_user():
     assert closed == []
     handles.release(key)
     assert closed == [first] and key not in handles.open_handles()
+
+
+def test_a_claim_keeps_no_opener_so_its_owner_goes_with_its_last_reference():
+    """The opener is given to each get(): an owner that kept its bound method in its claim would be
+    in a reference cycle, and its handle would stay open until the garbage collector ran."""
+    closed = []
+
+    class Owner:
+        def __init__(self) -> None:
+            self.claim = handles.SharedHandle(("test", "owner"), closed.append)
+
+        def open(self) -> str:
+            return "handle"
+
+        def handle(self) -> str:
+            return self.claim.get(self.open)
+
+        def __del__(self) -> None:
+            self.claim.release()
+
+    gc.disable()
+    try:
+        owner = Owner()
+        assert owner.handle() == "handle" and ("test", "owner") in handles.open_handles()
+        del owner
+        assert closed == ["handle"] and ("test", "owner") not in handles.open_handles()
+    finally:
+        gc.enable()

@@ -42,10 +42,11 @@ from ..handles import ProcessLocal, SharedHandle
 from ..index import IndexBuilder, SampleIndex, anonymous_array
 from ..manifest import MODES, ArchiveManifest, new_manifest
 from ..policy import VerifyPolicy, check_verify
+from ..tracebacks import drops_frames
 from .mapped import FileTruncatedError
 
 Blob = Any  # bytes, memoryview or a 1-D uint8 numpy array
-Identity = Tuple[int, int, int, int]  # (device, inode, size, mtime_ns) of a file
+Identity = Tuple[int, int, int, int]  # (device, inode, size, mtime_ns) of a file (why no ctime: Reader.check_unchanged)
 
 DAMAGED_HINT = "the archive is damaged: run `packed-formats verify` on it and re-create it"
 
@@ -82,6 +83,12 @@ class Handle(abc.ABC):
     def discard_inherited(self) -> None:  # noqa: B027 - a default, not an abstract method
         """Drop a handle inherited through fork.  Default: forget it (the parent owns it);
         formats whose library misbehaves with inherited handles (h5py, lmdb) close it."""
+
+    def fileno(self) -> Optional[int]:
+        """A descriptor of the archive's data file that this handle holds open, through which
+        ``Reader`` checks before each read that the file is unchanged (one ``fstat``).  Default:
+        None, and the data file is checked by its path (one ``stat``)."""
+        return None
 
 
 H = TypeVar("H", bound=Handle)
@@ -140,6 +147,12 @@ class Backend(abc.ABC, Generic[H]):
     def files(self) -> List[str]:
         """Every file the archive consists of."""
         return [self.path]
+
+    def watched_files(self) -> List[str]:
+        """The files that must keep their identity while the archive is read, for a read to be this
+        archive's: ``Reader`` checks them before each read or batch.  Default: every file of the
+        archive, when it has a data file (a folder has none: it may gain files)."""
+        return [] if self.data_file() is None else self.files()
 
     def data_file_identity(self) -> Optional[Identity]:
         """The identity ``data_file()`` has now (None: no such file, or it cannot be stat'ed)."""
@@ -202,6 +215,13 @@ class FormatSpec:
     ``sniff(path, head)`` says whether ``path`` is of this format, from the
     first 64 bytes of a file (``head``) or, for a directory, ``head=None``.
     ``writer`` is None for formats that are only read.
+
+    Args:
+        name: the format's name (``format=`` everywhere).
+        backend: the ``Backend`` class that reads it.
+        writer: the ``Writer`` class that writes it, or None.
+        extensions: the file name endings that suggest it (".zip", ".h5", ...).
+        sniff: ``sniff(path, head) -> bool``, as above.
     """
 
     name: str
@@ -222,6 +242,11 @@ class Reader:
     ("once"), or never (False).  Nothing is held open by the process that
     creates a Reader; each process opens its own handle on first read, and a
     Reader pickles as a description (path, metadata), never as a handle.
+
+    Args:
+        path: the archive.
+        backend: the format's ``Backend`` class (``open_archive`` finds it from the content).
+        verify: True, "once" or False, as above.
     """
 
     def __init__(self, path: "str | os.PathLike[str]", backend: Type[Backend], verify: VerifyPolicy = True) -> None:
@@ -236,11 +261,12 @@ class Reader:
                 self.path, f"manifest says format {self.backend.manifest.format!r}, expected {backend.format_name!r}"
             )
         self.backend.identity = self.backend.data_file_identity()
+        self._watched = self._watched_identities()
         self._check_index_consistent()
         self._check_index_checksums()
+        # no bound method of self kept in it: a cycle would keep the handle open until the collector ran
         self._claim = SharedHandle(
-            handle_key(backend.format_name, self.path, self.backend.identity),
-            self._open_checked, _close_handle, _discard_handle,
+            handle_key(backend.format_name, self.path, self.backend.identity), _close_handle, _discard_handle,
         )
         # one bit per sample, on a private anonymous map: untouched pages cost nothing (a calloc'd block
         # from the heap is cleared in full, so every worker would hold a byte per sample of its own)
@@ -311,7 +337,58 @@ class Reader:
         """This process's open handle (opened on first use; ClosedArchiveError after close())."""
         if self._closed:
             raise ClosedArchiveError(self.path, "the reader is closed")
-        return self._claim.get()
+        return self._claim.get(self._open_checked)
+
+    def _unchanged_handle(self) -> Handle:
+        """This process's handle, once ``check_unchanged`` has passed: what every read starts with.
+        A changed archive's handle is released at once: HDF5 would hand a new reader of the file in this
+        process the old one's cached structure, and LMDB refuses a second environment on it."""
+        handle = self.handle()
+        try:
+            self.check_unchanged(handle)
+        except ArchiveChangedError:
+            self.release_handle()
+            raise
+        return handle
+
+    def check_unchanged(self, handle: Optional[Handle] = None) -> None:
+        """ArchiveChangedError when a file of the archive was rewritten in place since this reader opened it.
+
+        Every read, and every batch (``read_many``: once, whatever its size), starts with this
+        check: one ``fstat`` of the data file through the descriptor ``handle`` holds (one
+        ``stat`` of its path where the handle holds none), and one ``stat`` of each other file
+        the archive maps (memmap's index arrays); a sharded archive's parts check themselves,
+        each when a batch reads from it.  A file is unchanged while its size and modification
+        time are those it had when the reader was opened: a file rewritten in place (``cp
+        other.zip train.zip``: the same file, often of the same size), truncated or grown is
+        caught before any of its bytes, or of the index mapped from it, are served.  A file
+        replaced at its path (``os.replace``, as ``convert`` publishes) or deleted is not an
+        error: the reader keeps reading the file it has open or mapped, whole.
+
+        What this cannot see: a rewrite that keeps the size and sets the modification time back
+        to the very nanosecond it was (``cp -p``, ``rsync --inplace -t`` or ``touch -d`` from a
+        file with that same time), and a rewrite during a read.  The status-change time (ctime)
+        would catch the first, but chmod, chown, a new hard link and a rename change it too, and
+        a job must not stop for those.
+        """
+        if not self._watched:
+            return
+        fd = None if handle is None else handle.fileno()
+        for path, identity, through_handle in self._watched:
+            now = fd_identity(fd) if through_handle and fd is not None else file_identity(path)
+            if now is not None and now != identity and now[:2] == identity[:2]:  # the same file, changed
+                raise changed_error(self.path, path, identity, now)
+
+    def _watched_identities(self) -> Tuple[Tuple[str, Identity, bool], ...]:
+        """(file, its identity now, whether it is the data file) for each file ``check_unchanged``
+        checks: the data file's identity is the one recorded in ``backend.identity``."""
+        data_file, watched = self.backend.data_file(), []
+        for path in self.backend.watched_files():
+            is_data = path == data_file
+            identity = self.backend.identity if is_data else file_identity(path)
+            if identity is not None:
+                watched.append((path, identity, is_data))
+        return tuple(watched)
 
     def release_handle(self) -> None:
         """Release this process's handle but stay open: the next read opens it again
@@ -382,19 +459,22 @@ class Reader:
             raise SampleIndexError(self.path, f"index {first} is out of range for {n} samples")
         return arr
 
+    @drops_frames  # an error kept by its catcher must not keep this reader's handle open
     def read_bytes(self, i: int) -> bytes:
         """The stored bytes of sample i (pixels for raw, file bytes for encoded)."""
         i = self.check_index(i)
-        return bytes(self._read_checked(self.handle(), i))
+        return bytes(self._read_checked(self._unchanged_handle(), i))
 
+    @drops_frames
     def read(self, i: int) -> "np.ndarray | bytes":
         """Sample i: HxWxC uint8 array (raw) or its encoded bytes (encoded)."""
         i = self.check_index(i)
-        blob = self._read_checked(self.handle(), i)
+        blob = self._read_checked(self._unchanged_handle(), i)
         if self.manifest.mode == "raw":
             return self.backend.as_pixels(blob, i).copy()
         return bytes(blob)
 
+    @drops_frames
     def read_many(
         self, idx: "Sequence[int] | np.ndarray", out: Optional[np.ndarray] = None
     ) -> "np.ndarray | List[bytes]":
@@ -404,9 +484,12 @@ class Reader:
         [B,H,W,C] uint8 array (e.g. a view of a pinned tensor) to read into.
         """
         indices = self.check_indices(idx)
-        handle = self.handle()
+        handle = self._unchanged_handle()
         if self.manifest.mode != "raw":
-            return [bytes(self._read_checked(handle, int(i))) for i in indices]
+            blobs = []  # a loop, not a comprehension: in its frame's closure an error's traceback would keep self
+            for i in indices:
+                blobs.append(bytes(self._read_checked(handle, int(i))))
+            return blobs
         shape = (len(indices),) + self.backend.shape
         if out is None:
             out = np.empty(shape, dtype=np.uint8)
@@ -427,7 +510,7 @@ class Reader:
         if first >= last:
             return {}
         with named_failures(self.path, "cannot check the archive's structure"):
-            return self.backend.structure_problems(self.handle(), first, last)
+            return self.backend.structure_problems(self._unchanged_handle(), first, last)
 
     def sample_error(self, i: int, problem: str) -> CorruptSampleError:
         """A CorruptSampleError for sample i (e.g. its bytes do not decode), naming the archive and key."""
@@ -518,6 +601,22 @@ def replaced_error(path: str) -> ArchiveChangedError:
     )
 
 
+def changed_error(archive: str, path: str, then: Identity, now: Identity) -> ArchiveChangedError:
+    """The file ``path`` of the open ``archive`` was rewritten in place: its identity (device, inode,
+    size, modification time) was ``then`` when the archive was opened, and is ``now``."""
+    where = os.path.relpath(os.path.abspath(path), os.path.abspath(archive))
+    what = "the file" if where == "." else f"its file {where}"
+    change = "same size, new modification time"
+    if now[2] != then[2]:
+        change = f"its size went from {then[2]} to {now[2]} bytes"
+    problem = f"{what} was rewritten in place while the archive was open ({change}): reads would mix two archives"
+    return ArchiveChangedError(
+        archive, problem,
+        hint="open the dataset again (in a job: restart it) to read the archive as it is now; to update an "
+             "archive that is being read, write the new one under another name and move it into place",
+    )
+
+
 @contextlib.contextmanager
 def named_failures(
     path: str, doing: str, index: Optional[int] = None, index_data: Optional[SampleIndex] = None
@@ -590,6 +689,15 @@ class Writer(WriteTransaction):
     The archive is written under a temporary name beside ``path``, sealed
     (manifest last), re-opened and spot-checked, then moved into place with
     ``os.replace``.  On error or abort() the temporary output is removed.
+
+    Args:
+        path: where the archive will be.
+        mode: "encoded" (image file bytes) or "raw" (decoded pixels of one ``shape``).
+        shape: (H, W, C) of every raw sample.
+        classes: the class names, label i naming ``classes[i]``.
+        encoding: "jpeg" or "png", for pixels added to an encoded archive.
+        quality: the JPEG quality of such pixels.
+        overwrite: replace an archive already at ``path`` (else ArchiveExistsError).
     """
 
     format_name: ClassVar[str] = ""

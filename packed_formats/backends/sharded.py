@@ -53,6 +53,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, cast
 import numpy as np
 
 from ..errors import (
+    ArchiveChangedError,
     ArchiveExistsError,
     ArchiveNotFoundError,
     CorruptArchiveError,
@@ -174,6 +175,13 @@ class _OpenParts:
             del self.recent[q]
         return closing
 
+    def idle(self) -> List[int]:
+        """Forget every open part that no read is under way in; return them (to close)."""
+        closing = [q for q in self.recent if q not in self.reading]
+        for q in closing:
+            del self.recent[q]
+        return closing
+
     def leave(self, p: int) -> None:
         """Count a read of part p finished."""
         self.reading[p] -= 1
@@ -218,6 +226,11 @@ class ShardedBackend(Backend[ShardedHandle]):
     def files(self) -> List[str]:
         return [self.path] + [f for part in self.parts for f in part.files()]
 
+    def watched_files(self) -> List[str]:
+        """None: each part checks its own files when a batch reads from it (one ``fstat`` per part
+        touched), and the index, read once when the set is opened, decides nothing after that."""
+        return []
+
     # ---- open parts ----
     def limit_open_parts(self, bound: int) -> None:
         """Keep at most ``bound`` parts open in each process; TooManyOpenFilesError if that many
@@ -258,6 +271,11 @@ class ShardedBackend(Backend[ShardedHandle]):
             yield part
         except TooManyOpenFilesError:
             raise self._no_descriptor_for(p) from None
+        except ArchiveChangedError:  # the set is being rewritten: hold none of its parts (see Reader)
+            with open_parts.lock:
+                for q in open_parts.idle():
+                    self.parts[q].release_handle()
+            raise
         finally:
             with open_parts.lock:
                 open_parts.leave(p)
