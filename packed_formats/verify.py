@@ -25,7 +25,16 @@ class BadSample:
 
 @dataclasses.dataclass
 class VerifyReport:
-    """The outcome of verify_archive: ``ok`` when every checked sample passed."""
+    """The outcome of verify_archive: ``ok`` when every checked sample passed.
+
+    Args:
+        path, format, mode, count: the archive checked, its format, mode and number of samples.
+        checked: how many samples were checked.
+        checksums: False when the archive has none (a plain image folder).
+        decoded: whether encoded samples were decoded too.
+        bad: the first ``max_report`` bad samples, in index order (``BadSample``: index, key, problem).
+        bad_count: how many samples were bad in all.
+    """
 
     path: str
     format: str
@@ -64,7 +73,7 @@ def verify_archive(
     header and central directory entry must name it and agree with the index
     (``Reader.structure_problems``).  Bad samples are counted and the first
     ``max_report`` described (index, key, every problem found); the archive
-    itself is never modified.
+    itself is never modified.  ``progress`` shows a progress bar.
 
     Raises:
         PackedFormatError: the archive cannot be opened at all (missing, not an

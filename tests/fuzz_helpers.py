@@ -125,20 +125,27 @@ def file_of(archive: str, name: str) -> str:
     return os.path.join(archive, name) if name else archive
 
 
-def choose_offset(rng: random.Random, size: int) -> int:
-    """A byte offset in a file of ``size`` bytes: half of the time in its first or last EDGE bytes."""
+def choose_offset(rng: random.Random, size: int, landmarks: Tuple[int, ...] = ()) -> int:
+    """A byte offset in a file of ``size`` bytes: half of the time anywhere; else in its first or last EDGE
+    bytes or, given ``landmarks`` (where its structures start), at most 600 bytes from one of them."""
     if rng.random() < 0.5:
         return rng.randrange(size)
-    if rng.random() < 0.5:
+    where = rng.random()
+    if landmarks and where < 1 / 3:
+        return min(size - 1, max(0, rng.choice(landmarks) + rng.randrange(-88, 600)))
+    if where < 2 / 3:
         return rng.randrange(min(EDGE, size))
     return rng.randrange(max(0, size - EDGE), size)
 
 
-def choose_damage(rng: random.Random, files: List[Tuple[str, int]]) -> Damage:
-    """One damage, drawn from ``rng``, to one of ``files`` (``archive_files``'s list)."""
+def choose_damage(
+    rng: random.Random, files: List[Tuple[str, int]], landmarks: Optional[Dict[str, Tuple[int, ...]]] = None
+) -> Damage:
+    """One damage, drawn from ``rng``, to one of ``files`` (``archive_files``'s list), aimed at the
+    ``landmarks`` (``landmarks_of``) of the file a third of the time it is aimed at all."""
     name, size = rng.choice([f for f in files if f[1] > 0])
     kind = rng.choice(DAMAGES)
-    offset = choose_offset(rng, size)
+    offset = choose_offset(rng, size, (landmarks or {}).get(name, ()))
     payload = b""
     if kind == "flip":
         payload = bytes([1 << rng.randrange(8)])
@@ -401,3 +408,143 @@ def tally(trials: List[Trial]) -> Dict[str, int]:
             if outcome.verdict == MISSED:
                 counts[MISSED] = counts.get(MISSED, 0) + 1
     return counts
+
+
+# ---- many trials: batches of trials, each batch in its own process, two at a time --------------------------
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """The trials ``numbers`` of one archive kind: what a batch process needs to run them."""
+
+    good: str  # the intact archive
+    workdir: str
+    seed: int
+    fmt: str
+    mode: str
+    numbers: Tuple[int, ...]
+    ref: Reference
+    files: Tuple[Tuple[str, int], ...]
+    landmarks: Tuple[Tuple[str, Tuple[int, ...]], ...] = ()
+
+
+def _batch(connection, job: Job) -> None:
+    """In a forked batch process: each trial's damaged copy read every way, in this process; before each
+    read path a ("start", number, path) message, after it ("done", number, path, outcome), so that the
+    parent knows which read hung or crashed the batch."""
+    os.setpgid(0, 0)
+    resource.setrlimit(resource.RLIMIT_AS, (CHILD_MEMORY_LIMIT, CHILD_MEMORY_LIMIT))
+    torch.set_num_threads(1)
+    landmarks = dict(job.landmarks)
+    for number in job.numbers:
+        damage = choose_damage(trial_rng(job.seed, job.fmt, job.mode, number), list(job.files), landmarks)
+        connection.send(("damage", number, damage))
+        copy = copy_archive(job.good, os.path.join(job.workdir, f"trial-{number}-{os.path.basename(job.good)}"))
+        try:
+            apply_damage(copy, damage)
+            for name in paths_of_trial(number):
+                connection.send(("start", number, name))
+                try:
+                    difference = READERS[name](copy, job.ref, job.mode)
+                    outcome = Outcome(SAME) if difference is None else Outcome(WRONG, difference)
+                except BaseException as exc:  # noqa: B036 - every way out of a read is an outcome to report
+                    outcome = verdict_of_exception(exc)
+                connection.send(("done", number, name, outcome))
+        finally:
+            (shutil.rmtree if os.path.isdir(copy) else os.unlink)(copy)
+    connection.send(("end",))
+    connection.close()
+
+
+DATALOADER_EVERY = 4  # the 2-worker DataLoader path (the slowest: it starts 2 processes) runs in every 4th trial
+
+
+def paths_of_trial(number: int) -> Tuple[str, ...]:
+    """The read paths of trial ``number`` in a batch: all of them, the DataLoader one in every DATALOADER_EVERY-th."""
+    return tuple(p for p in READ_PATHS if p != "dataloader" or number % DATALOADER_EVERY == 0)
+
+
+def run_job(job: Job, timeout: float) -> List[Trial]:
+    """Run ``job``'s trials in batch processes: a read that sends nothing for ``timeout`` seconds is a hang
+    (its batch is killed), a batch that dies is a crash of its current read; the rest go on in a new batch."""
+    context = multiprocessing.get_context("fork")
+    trials: Dict[int, Trial] = {}
+    todo = list(job.numbers)
+    while todo:
+        receiver, sender = context.Pipe(duplex=False)
+        batch = context.Process(target=_batch, args=(sender, dataclasses.replace(job, numbers=tuple(todo))))
+        batch.start()
+        sender.close()
+        current: Optional[Tuple[int, str]] = None
+        try:
+            while True:
+                if not receiver.poll(timeout):
+                    failure = Outcome(HANG, f"no answer in {timeout:.0f} s")
+                    break
+                try:
+                    message = receiver.recv()
+                except EOFError:
+                    batch.join(timeout)
+                    failure = Outcome(CRASH, exit_description(batch.exitcode))
+                    break
+                if message[0] == "damage":
+                    trials[message[1]] = Trial(job.seed, message[1], job.fmt, job.mode, message[2], {})
+                    todo.remove(message[1])
+                elif message[0] == "start":
+                    current = (message[1], message[2])
+                elif message[0] == "done":
+                    trials[message[1]].outcomes[message[2]] = message[3]
+                    current = None
+                else:
+                    failure = None
+                    break
+        finally:
+            receiver.close()
+            kill_group(batch)
+        if failure is not None:
+            if current is None:  # died between reads: charge it to the trial under way, else stop
+                if not trials:
+                    raise RuntimeError(f"a fuzz batch failed before its first trial: {failure}")
+                current = (max(trials), "between reads")
+            trials[current[0]].outcomes[current[1]] = failure
+            copy = os.path.join(job.workdir, f"trial-{current[0]}-{os.path.basename(job.good)}")
+            if os.path.lexists(copy):
+                (shutil.rmtree if os.path.isdir(copy) else os.unlink)(copy)
+    return [trials[n] for n in sorted(trials)]
+
+
+def run_jobs(jobs: List[Job], timeout: float, processes: int = 2) -> List[Trial]:
+    """``run_job`` over ``jobs``, ``processes`` batches at a time (threads wait on the batch processes)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(processes) as pool:
+        return [trial for trials in pool.map(lambda job: run_job(job, timeout), jobs) for trial in trials]
+
+
+# ---- where the structure is: damage aimed at what decides the archive ----------------------------------------
+_MARKERS = (
+    b'{\n "',  # a manifest's text (the HDF5 attribute, the ZIP member, the LMDB value)
+    b"\x89HDF\r\n\x1a\n", b"TREE", b"HEAP", b"SNOD", b"GCOL", b"OHDR", b"OCHK",  # HDF5 superblock, B-trees, heaps
+    b"PK\x03\x04", b"PK\x01\x02", b"PK\x05\x06", b"PK\x06\x06", b"PK\x06\x07",  # ZIP headers and end records
+    b"\x93NUMPY",  # .npy headers
+)
+_MAX_LANDMARKS = 64
+
+
+def landmarks_of(archive: str, files: List[Tuple[str, int]]) -> Tuple[Tuple[str, Tuple[int, ...]], ...]:
+    """(file, offsets) of every file of ``archive``: where its structures start (the markers above, every
+    4 KiB page start of an LMDB file), at most _MAX_LANDMARKS per file, evenly picked."""
+    found = []
+    for name, _size in files:
+        with open(file_of(archive, name), "rb") as file:
+            data = file.read()
+        offsets = set()
+        for marker in _MARKERS:
+            at = data.find(marker)
+            while at >= 0:
+                offsets.add(at)
+                at = data.find(marker, at + 1)
+        if archive.endswith(".lmdb") or name.endswith(".mdb"):
+            offsets.update(range(0, len(data), 4096))
+        ordered = sorted(offsets)
+        step = max(1, len(ordered) // _MAX_LANDMARKS)
+        found.append((name, tuple(ordered[::step])))
+    return tuple(found)

@@ -71,6 +71,7 @@ def rewrite_manifest(path: str, fmt: str, **changes) -> None:
     def hdf5_manifest() -> None:
         with h5py.File(path, "r+") as file:
             file.attrs[hdf5.MANIFEST_ATTR] = changed(file.attrs[hdf5.MANIFEST_ATTR])
+        hdf5.seal_metadata(path)  # an edit, not damage: what HDF5 parses is checked against its seal
 
     def lmdb_manifest() -> None:
         env = lmdb.open(path, subdir=False, lock=False)

@@ -244,6 +244,7 @@ def unsealed(path, fmt: str, written) -> str:
     if fmt == "hdf5":
         with h5py.File(path, "r+") as file:
             del file.attrs[hdf5.MANIFEST_ATTR]
+        hdf5.seal_metadata(os.fspath(path))  # an edit, not damage: what HDF5 parses is checked against its seal
     else:
         env = lmdb.open(os.fspath(path), subdir=False, lock=False)
         with env.begin(write=True) as txn:

@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 from typing import Dict, List, Optional, Tuple, Type
 
-from ..errors import ArchiveNotFoundError, FormatMismatchError, UnknownFormatError
+from ..errors import ArchiveNotFoundError, ArchivePermissionError, FormatMismatchError, UnknownFormatError
 from ..policy import VerifyPolicy
+from ..tracebacks import drops_frames
 from . import folder, hdf5, lmdb, memmap, sharded, zip
 from .base import Backend, FormatSpec, Reader, Writer
 
@@ -83,8 +84,12 @@ def detect_format(path: "str | os.PathLike[str]", expected: Optional[str] = None
         if os.path.islink(path):
             problem += f": a link to {os.readlink(path)}, which does not exist"
         raise ArchiveNotFoundError(path, problem, hint="check the path")
+    if os.path.isdir(path) and not os.access(path, os.R_OK | os.X_OK):  # its files cannot even be listed
+        raise ArchivePermissionError.denied(path)
     try:
         found = sniff_format(path)
+    except PermissionError:
+        raise ArchivePermissionError.denied(path) from None
     except OSError as exc:
         raise UnknownFormatError(path, f"cannot read it: {exc.strerror}") from None
     if found is None:
@@ -102,14 +107,17 @@ def detect_format(path: "str | os.PathLike[str]", expected: Optional[str] = None
     return found
 
 
+@drops_frames  # a kept error of a failed open must not keep the half-made Reader (and its parts) alive
 def open_archive(
     path: "str | os.PathLike[str]", format: Optional[str] = None, verify: VerifyPolicy = True,
     *, max_open_parts: Optional[int] = None,
 ) -> Reader:
     """Open any archive (format auto-detected) as a Reader.
 
-    ``verify``: check each sample's CRC32 on every read (True), the first time
-    each process reads it ("once"), or never (False).  ``max_open_parts``: how
+    ``path``: the archive (a file, a directory, or a sharded archive's index).
+    ``format``: insist on this format (FormatMismatchError otherwise).  ``verify``:
+    check each sample's CRC32 on every read (True), the first time each process
+    reads it ("once"), or never (False).  ``max_open_parts``: how
     many parts of a sharded archive each process keeps open at once (default:
     ``PF_MAX_OPEN_PARTS``, else from the open-file limit; see ``backends.sharded``).
     """
@@ -119,7 +127,7 @@ def open_archive(
 
 
 def open_writer(path: "str | os.PathLike[str]", format: str = "zip", **options) -> Writer:
-    """A Writer for a new archive at ``path`` (see Writer for options)."""
+    """A Writer for a new archive at ``path`` in ``format`` (zip, hdf5, lmdb or memmap; see Writer for options)."""
     return writer_class(format)(path, **options)
 
 

@@ -18,6 +18,11 @@ none; encoded ones keep a small one (see ``ENCODED_CACHE_BYTES``).  The
 index lives in the data file: a file truncated under a reader is caught
 before each read (``check_size``), as reading a mapped page it no longer has
 would end the process with SIGBUS.
+
+HDF5 trusts the metadata it parses (damage there can make it hang), so the
+writer stores in the file's user block the CRC32 of every byte range HDF5
+reads when a reader opens the archive, and readers check them before HDF5
+opens it (``hdf5_guard``).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import numpy as np
 
 from ..errors import (
     ArchiveNotFoundError,
+    ArchivePermissionError,
     CorruptArchiveError,
     IncompleteArchiveError,
     PackedFormatError,
@@ -38,7 +44,7 @@ from ..errors import (
 )
 from ..index import SampleIndex
 from ..manifest import ArchiveManifest
-from . import index_map, mapped
+from . import hdf5_guard, index_map, mapped
 from .base import Backend, FormatSpec, Handle, Identity, Writer, fd_identity
 
 MANIFEST_ATTR = "packed_formats_manifest"
@@ -70,6 +76,11 @@ class HDF5Handle(Handle):
         index (and images) may lie in what was cut off, and touching that is SIGBUS."""
         mapped.check_file_size(self.file.id.get_vfd_handle(), self.needed)
 
+    def fileno(self) -> Optional[int]:
+        """HDF5's descriptor of the file: ``Reader`` checks the file through it before each read or batch."""
+        fd = self.file.id.get_vfd_handle()
+        return fd if isinstance(fd, int) else None
+
     def mapped_rows(
         self, path: str, identity: Optional[Identity], positions: Optional[np.ndarray]
     ) -> "Optional[mapped.MappedRows]":
@@ -93,8 +104,23 @@ class HDF5Handle(Handle):
 class HDF5Writer(Writer):
     format_name = "hdf5"
 
+    @staticmethod
+    def size_bound(mode: str, count: int, payload: int, sample_bytes: Optional[int], key_bytes: int,
+                   parts: int = 1) -> int:
+        """A high estimate of the bytes HDF5 stores for ``count`` samples of ``payload`` bytes in ``parts``
+        files (``space.archive_bytes`` adds the index and manifest): the samples' chunks (encoded: the last
+        chunk of each file allocated whole), their chunk index (B-tree nodes at least half full), each
+        file's user block and object headers, and the room ``_ensure_room`` asks for beyond the last block."""
+        if mode == "raw":
+            chunks, stored, per_entry = count, payload, 2 * 56  # a rank-4 chunk key (48 bytes) and its address
+        else:
+            chunks = payload // _ENCODED_CHUNK + parts
+            stored, per_entry = chunks * _ENCODED_CHUNK, 2 * 32  # a rank-1 key (24 bytes) and its address
+        return stored + chunks * per_entry + parts * (hdf5_guard.USERBLOCK + _FILE_METADATA) + _room_margin(
+            _BLOCK_SAMPLES)
+
     def begin(self, temp_path: str) -> None:
-        self._file = h5py.File(temp_path, "w")
+        self._file = h5py.File(temp_path, "w", userblock_size=hdf5_guard.USERBLOCK)  # filled by finish
         self._capacity = 0
         self._filled = 0  # samples (raw) or bytes (encoded) written to the dataset
         self._pending: List[np.ndarray] = []
@@ -130,7 +156,7 @@ class HDF5Writer(Writer):
         """Write the kept samples as one block."""
         if not self._pending:
             return
-        _ensure_room(self.temp_path, self._pending_bytes)
+        _ensure_room(self.temp_path, self._pending_bytes, len(self._pending))
         if self.mode == "raw":
             start = self._filled
             self._grow(start + len(self._pending))
@@ -141,6 +167,7 @@ class HDF5Writer(Writer):
             self._grow(self._filled + len(block))
             self._data[self._filled : self._filled + len(block)] = block
             self._filled += len(block)
+        self._file.flush()  # nothing left in HDF5's caches: the next _ensure_room sees what the file takes
         self._pending, self._pending_bytes = [], 0
 
     def final_positions(self) -> Optional[np.ndarray]:
@@ -154,12 +181,13 @@ class HDF5Writer(Writer):
 
     def finish(self, index: SampleIndex, manifest: ArchiveManifest) -> None:
         self._write_pending()
-        _ensure_room(self.temp_path, sum(a.nbytes for a in index.arrays().values()) + len(manifest.to_json()))
+        _ensure_room(self.temp_path, sum(a.nbytes for a in index.arrays().values()) + len(manifest.to_json()), 0)
         self._data.resize(len(index) if self.mode == "raw" else self._filled, axis=0)
         for name, array in index.arrays().items():
             self._file.create_dataset(name, data=array)  # contiguous and unfiltered: readers map it
         self._file.attrs[MANIFEST_ATTR] = manifest.to_json()  # the seal, written last
         self._file.close()
+        seal_metadata(self.temp_path)
 
     def discard(self) -> None:
         try:
@@ -170,23 +198,40 @@ class HDF5Writer(Writer):
 
 _BLOCK_SAMPLES = 256  # samples written to HDF5 in one call at most
 _BLOCK_BYTES = 8 << 20  # and at most this many bytes kept for it
-ROOM_MARGIN = 8 << 20  # what HDF5 may hold in its caches and metadata besides the bytes written so far
+_FILE_METADATA = 64 << 10  # a file's object headers, heaps and symbol table, with room to spare
 
 
-def _ensure_room(path: str, nbytes: int) -> None:
-    """OSError(ENOSPC) before HDF5 writes ``nbytes`` where they no longer fit: HDF5 itself, when the
-    disk fills up under it, can leave objects that crash the process when they are collected."""
+def _room_margin(samples: int) -> int:
+    """What HDF5 may write besides a block's bytes: chunk index entries for its ``samples`` (nodes half
+    full), two partly filled encoded chunks, and the metadata of a file (the writer flushes after each
+    block, so nothing else waits in HDF5's caches)."""
+    return _FILE_METADATA + samples * 2 * 56 + 2 * _ENCODED_CHUNK
+
+
+def _ensure_room(path: str, nbytes: int, samples: int) -> None:
+    """OSError(ENOSPC) before HDF5 writes ``nbytes`` (of ``samples`` samples) where they no longer fit:
+    HDF5 itself, when the disk fills up under it, can leave objects that crash the process when they
+    are collected.  What it asks beyond them is in ``size_bound``, so an estimate's room suffices."""
     try:
         st = os.statvfs(os.path.dirname(os.path.abspath(path)))
     except OSError:
         return
-    if st.f_bavail * st.f_frsize < nbytes + ROOM_MARGIN:
+    if st.f_bavail * st.f_frsize < nbytes + _room_margin(samples):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
 
 
 def _open_file(path: str, cache_bytes: int = 0, cache_slots: int = 1) -> h5py.File:
+    """The archive open read-only in HDF5, once what HDF5 will parse of it is checked (``hdf5_guard``)."""
     if not os.path.exists(path):
         raise ArchiveNotFoundError(path, "no such file")
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except PermissionError:
+        raise ArchivePermissionError.denied(path) from None
+    try:
+        hdf5_guard.check(path, fd)
+    finally:
+        os.close(fd)
     try:
         return h5py.File(path, "r", locking=False, rdcc_nbytes=cache_bytes, rdcc_nslots=cache_slots)
     except OSError as exc:
@@ -263,6 +308,64 @@ class HDF5Backend(Backend[HDF5Handle]):
             return function(*args)
         except OSError as exc:
             raise self.corrupt(f"HDF5 read failed: {exc}", i) from None
+
+
+def seal_metadata(path: str) -> None:
+    """Record what HDF5 parses when a reader opens the archive at ``path`` and store it, checksummed,
+    in the file's user block (``hdf5_guard``).  The writer calls it last; after an edit by another
+    tool (h5py in ``r+`` mode), the archive reads as damaged until this is called again."""
+    with h5py.File(path, "r") as file:
+        payload = _payload_spans(file)
+    hdf5_guard.write_userblock(path, hdf5_guard.merge(hdf5_guard.record_reads(path, _visit_as_reader), payload))
+
+
+def _payload_spans(file: h5py.File) -> List[Tuple[int, int]]:
+    """(offset, length) of the stored samples and index arrays: bytes HDF5 hands over unparsed, which
+    the archive's own CRC32s check (listed chunk by chunk where this h5py can, else not at all)."""
+    spans: List[Tuple[int, int]] = []
+    for name in _SAMPLE_NAMES + _INDEX_NAMES:
+        if name not in file:
+            continue
+        dsid = file[name].id
+        offset = dsid.get_offset()
+        if offset is not None:  # contiguous
+            spans.append((offset, dsid.get_storage_size()))
+        elif hasattr(dsid, "chunk_iter") and file[name].compression is None:
+            dsid.chunk_iter(lambda chunk: spans.append((chunk.byte_offset, chunk.size)))
+    return spans
+
+
+_CHECKED_CHUNKS = 4096  # up to this many chunks, a sample dataset's whole chunk index is checked at open
+
+
+def _visit_as_reader(file: h5py.File) -> None:
+    """Have HDF5 parse what a reader of this archive has it parse (``hdf5_guard`` records the bytes):
+    the manifest, every dataset's header and layout, the index arrays' ends, the three images
+    ``_rows_agree`` reads and, for a small archive, the sample dataset's whole chunk index."""
+    if MANIFEST_ATTR in file.attrs:
+        file.attrs[MANIFEST_ATTR]
+    names = list(file.keys())
+    for name in _SAMPLE_NAMES + _INDEX_NAMES:
+        if name not in names:
+            continue
+        dataset = file[name]
+        plist = dataset.id.get_create_plist()
+        plist.get_layout(), plist.get_nfilters(), plist.get_external_count()
+        dataset.dtype, dataset.shape, dataset.chunks, dataset.id.get_offset()
+        if name in _INDEX_NAMES and dataset.ndim == 1:
+            n, k = len(dataset), min(len(dataset), _AGREE_ROWS)
+            dataset[:k], dataset[n - k : n]  # contiguous data: HDF5 parses no more metadata for all of it
+    data = file["images"] if "images" in names else file["data"] if "data" in names else None
+    if data is None or not data.shape[0]:
+        return
+    if data.ndim == 4:
+        image = np.empty(data.shape[1:], dtype=np.uint8)
+        for i in sorted({0, data.shape[0] // 2, data.shape[0] - 1}):
+            data.read_direct(image, np.s_[i])
+            data.id.read_direct_chunk(_chunk_of(i, 4))
+    chunks = -(-data.shape[0] // data.chunks[0]) if data.chunks else 0
+    if chunks <= _CHECKED_CHUNKS and hasattr(data.id, "chunk_iter"):
+        data.id.chunk_iter(lambda chunk: None)
 
 
 def _chunk_positions(data: h5py.Dataset) -> Optional[np.ndarray]:
@@ -397,7 +500,7 @@ def _read_chunk_into(dataset_id, offsets: tuple, row: np.ndarray) -> None:
 
 
 def _sniff(path: str, head: Optional[bytes]) -> bool:
-    return head is not None and head[:8] == b"\x89HDF\r\n\x1a\n"
+    return head is not None and (head[:8] == hdf5_guard.HDF5_SIGNATURE or hdf5_guard.has_userblock(path, head))
 
 
 SPEC = FormatSpec("hdf5", HDF5Backend, HDF5Writer, (".h5", ".hdf5"), _sniff)

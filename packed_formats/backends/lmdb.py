@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import mmap
 import os
 from typing import Dict, List, Optional, Tuple
 
@@ -30,6 +31,7 @@ from .. import handles
 from ..errors import (
     ArchiveInUseError,
     ArchiveNotFoundError,
+    ArchivePermissionError,
     CorruptArchiveError,
     IncompleteArchiveError,
     PackedFormatError,
@@ -43,6 +45,13 @@ from .mapped import check_file_size
 
 MANIFEST_KEY = b"__manifest__"
 _INDEX_PREFIX = b"__index__/"
+_PAGE_HEADER = 16  # bytes of an LMDB page's (or overflow run's) header
+_NODE_HEADER = 8  # bytes of a leaf node's header
+# Pages a file has besides its values' and keys': 2 meta pages, branch pages, the manifest's, the free
+# list, and the path from root to leaf that each of the last two commits copied; a page more per index
+# record (5 at most), whose bytes ``space.archive_bytes`` counts.
+_FIXED_PAGES = 32
+_INDEX_RECORDS = 5
 _COMPARED_BYTES = 4096  # of a mapped record, compared with lmdb's read at its start, middle and end
 CONVERT_HINT = "convert it into one first: `packed-formats convert SRC DST`"
 _COMMIT_EVERY = 256
@@ -56,6 +65,26 @@ def sample_key(i: int) -> bytes:
 
 class LMDBWriter(Writer):
     format_name = "lmdb"
+
+    @staticmethod
+    def size_bound(mode: str, count: int, payload: int, sample_bytes: Optional[int], key_bytes: int,
+                   parts: int = 1) -> int:
+        """A high estimate of the bytes LMDB stores for ``count`` values of ``payload`` bytes in ``parts``
+        files (``space.archive_bytes`` adds the index and manifest).  A value too big for a leaf page
+        takes whole overflow pages (a 16-byte header, the rest rounded up to a page: a 2,304-byte image
+        takes 4 KiB); a small one sits in a leaf page that sequential puts leave half full.  Its key
+        takes a leaf node; every file has its meta and branch pages, its index records' overflow
+        pages and the pages copied on write by the last commits."""
+        page = mmap.PAGESIZE
+        node_max = (page - _PAGE_HEADER) // 2 - 2  # LMDB's largest leaf node (MDB_MINKEYS = 2 per page)
+        if sample_bytes is not None:
+            need = _NODE_HEADER + len(sample_key(0)) + sample_bytes
+            per_value = 2 * (need + 2) if need <= node_max else -(-(sample_bytes + _PAGE_HEADER) // page) * page
+            values = count * per_value
+        else:  # sizes vary: at most one page more than each value
+            values = payload + count * (page + _PAGE_HEADER)
+        keys = count * 2 * (_NODE_HEADER + len(sample_key(0)) + 8 + 2)  # a leaf node with an overflow page number
+        return values + keys + parts * page * (_FIXED_PAGES + _INDEX_RECORDS)
 
     def begin(self, temp_path: str) -> None:
         self._env = self._open(_INITIAL_MAP_SIZE)
@@ -150,6 +179,10 @@ class LMDBHandle(Handle):
     def check_size(self) -> None:
         check_file_size(self.fd, self.needed)
 
+    def fileno(self) -> int:
+        """The data file's descriptor: ``Reader`` checks the file through it before each read or batch."""
+        return self.fd
+
     def close(self) -> None:
         os.close(self.fd)
         self.env.close()
@@ -177,6 +210,8 @@ def _open_env(path: str, readahead: bool) -> LMDBHandle:
                 "this process already has the LMDB environment open outside packed_formats",
                 hint="lmdb allows one environment per file per process: close the other one first",
             ) from None
+        if not os.access(_data_file(path), os.R_OK):  # lmdb says only "Permission denied"
+            raise ArchivePermissionError.denied(path, _data_file(path)) from None
         raise CorruptArchiveError(path, f"LMDB cannot open it ({exc})", hint="the file is damaged") from None
     needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
     size = os.path.getsize(_data_file(path))

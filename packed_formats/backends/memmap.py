@@ -21,6 +21,7 @@ import numpy as np
 from ..errors import (
     ArchiveChangedError,
     ArchiveNotFoundError,
+    ArchivePermissionError,
     CorruptArchiveError,
     IncompleteArchiveError,
     UnknownFormatError,
@@ -156,6 +157,8 @@ class MemmapBackend(Backend[MappedNpy]):
                 array_path = os.path.join(path, f"{name}.npy")
                 if os.path.exists(array_path):
                     arrays[name] = _load_mapped(array_path)
+        except PermissionError as exc:
+            raise ArchivePermissionError.denied(path, exc.filename) from None
         except (OSError, ValueError) as exc:
             raise CorruptArchiveError(path, f"cannot read the archive index: {exc}") from None
         _map_data(path, manifest.mode).close()  # the data file is checked now, in this process
@@ -228,6 +231,8 @@ def _map_data(path: str, mode: str) -> MappedNpy:
         raise CorruptArchiveError(path, f"{name} is missing") from None
     except CorruptArchiveError as exc:
         raise CorruptArchiveError(path, f"{name}: {exc.problem}") from None
+    except PermissionError as exc:
+        raise ArchivePermissionError.denied(path, exc.filename) from None
     except (OSError, ValueError) as exc:
         raise CorruptArchiveError(path, f"cannot map the sample data: {exc}") from None
 

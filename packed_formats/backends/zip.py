@@ -41,7 +41,13 @@ import numpy as np
 
 from ..checksum import crc32
 from ..codecs import sniff
-from ..errors import ArchiveNotFoundError, CorruptArchiveError, IncompleteArchiveError, UnknownFormatError
+from ..errors import (
+    ArchiveNotFoundError,
+    ArchivePermissionError,
+    CorruptArchiveError,
+    IncompleteArchiveError,
+    UnknownFormatError,
+)
 from ..index import Column, SampleIndex, from_npy_bytes
 from ..manifest import ArchiveManifest
 from . import index_map, mapped
@@ -239,6 +245,10 @@ class ZipHandle(Handle):
         """FileTruncatedError when the file shrank since it was opened (its mapped index would SIGBUS)."""
         mapped.check_file_size(self.fd, self.size)
 
+    def fileno(self) -> int:
+        """The descriptor reads use: ``Reader`` checks the file through it before each read or batch."""
+        return self.fd
+
     def file_bytes(self) -> np.ndarray:
         """The whole file as read-only uint8, from a map made on first use (the size checked first)."""
         self.check_size()
@@ -272,6 +282,8 @@ class ZipBackend(Backend[ZipHandle]):
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             raise ArchiveNotFoundError(path, "no such file") from None
+        except PermissionError:
+            raise ArchivePermissionError.denied(path) from None
         except OSError as exc:
             raise CorruptArchiveError(path, f"cannot read the archive index: {exc}") from None
         try:
@@ -293,6 +305,8 @@ class ZipBackend(Backend[ZipHandle]):
             return ZipHandle(os.open(self.path, os.O_RDONLY))
         except FileNotFoundError:
             raise ArchiveNotFoundError(self.path, "no such file") from None
+        except PermissionError:
+            raise ArchivePermissionError.denied(self.path) from None
 
     def read(self, handle: ZipHandle, i: int) -> bytes:
         handle.check_size()

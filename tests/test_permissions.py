@@ -1,0 +1,139 @@
+"""A file this user may not read gives an error that says permission and names the file, in every format.
+
+Root reads any file whatever its mode, so where the tests run as root the read
+runs in a forked child that has given up root for the ``nobody`` user (after a
+read in the parent has imported everything the read needs: the child may not
+be allowed to read Python's own files).
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import tempfile
+
+import numpy as np
+import pytest
+
+import packed_formats as pf
+from packed_formats.backends.sharded import ShardedWriter
+
+from .conftest import ARCHIVE_KINDS, kind_id
+
+SHAPE = (4, 5, 3)
+
+
+def drop_to() -> "tuple[int, int] | None":
+    """(uid, gid) the child reads as: ``nobody`` when running as root, None when already unprivileged."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        user = pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("running as root and there is no user 'nobody' to drop privileges to")
+    return user.pw_uid, user.pw_gid
+
+
+def read_everything(path: str) -> int:
+    with pf.PackedDataset(path, output="numpy") as dataset:
+        return sum(int(dataset[i][1]) for i in range(len(dataset)))
+
+
+def read_as_unprivileged(path: str) -> "tuple[str, str]":
+    """(exception class name or "ok", message) of ``read_everything(path)`` in a child without root."""
+    ids = drop_to()
+    receiver, sender = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report and leave, whatever happens
+        try:
+            os.close(receiver)
+            if ids is not None:
+                os.setgroups([])
+                os.setgid(ids[1])
+                os.setuid(ids[0])
+            try:
+                read_everything(path)
+                result = "ok\n"
+            except BaseException as exc:  # noqa: B036 - every outcome is reported to the parent
+                result = f"{type(exc).__name__}\n{exc}"
+            os.write(sender, result.encode())
+        finally:
+            os._exit(0)
+    os.close(sender)
+    chunks = []
+    while True:
+        chunk = os.read(receiver, 65536)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(receiver)
+    os.waitpid(pid, 0)
+    name, _, message = b"".join(chunks).decode().partition("\n")
+    return name, message
+
+
+@pytest.fixture
+def shared_dir():
+    """A directory every user may enter (pytest's own are root's alone), removed after."""
+    path = tempfile.mkdtemp(prefix="pf-permissions-")
+    os.chmod(path, 0o755)
+    yield path
+    for directory, subdirs, names in os.walk(path):
+        for name in subdirs + names:
+            os.chmod(os.path.join(directory, name), 0o755)
+    shutil.rmtree(path)
+
+
+def public_copy(src: str, dst: str) -> str:
+    """A copy of the archive ``src`` at ``dst`` that every user may read (``src`` itself where they are one)."""
+    if dst != src:
+        (shutil.copytree if os.path.isdir(src) else shutil.copyfile)(src, dst)
+    for directory, _subdirs, names in os.walk(dst):
+        os.chmod(directory, 0o755)
+        for name in names:
+            os.chmod(os.path.join(directory, name), 0o644)
+    if not os.path.isdir(dst):
+        os.chmod(dst, 0o644)
+    return dst
+
+
+def files_of(path: str) -> "list[str]":
+    """The archive's files, and the archive itself where it is a directory."""
+    with pf.open_archive(path) as reader:
+        files = list(reader.files())
+    return ([path] if os.path.isdir(path) else []) + files
+
+
+def assert_denied(archive: str, unreadable: str) -> None:
+    os.chmod(unreadable, 0)
+    try:
+        name, message = read_as_unprivileged(archive)
+    finally:
+        os.chmod(unreadable, 0o755 if os.path.isdir(unreadable) else 0o644)
+    assert name == "ArchivePermissionError", (unreadable, name, message)
+    assert "permission denied" in message and unreadable in message, message
+
+
+@pytest.mark.parametrize("kind", ARCHIVE_KINDS, ids=kind_id)
+def test_an_unreadable_file_of_an_archive_says_permission_and_names_it(archives, shared_dir, kind):
+    path = public_copy(archives[kind], os.path.join(shared_dir, os.path.basename(archives[kind])))
+    assert read_as_unprivileged(path)[0] == "ok"  # the control: readable, it reads
+    read_everything(path)  # imports, in the parent, what the child's read needs
+    for unreadable in files_of(path):
+        assert_denied(path, unreadable)
+
+
+@pytest.mark.parametrize("fmt", ["zip", "hdf5", "lmdb", "memmap"])
+def test_an_unreadable_part_of_a_sharded_archive_says_permission_and_names_it(shared_dir, fmt):
+    path = os.path.join(shared_dir, f"data.{fmt}")  # its parts are written beside it
+    with ShardedWriter(path, fmt, shard_size=3, mode="raw", shape=SHAPE, classes=["a", "b"]) as writer:
+        for i in range(9):
+            writer.add(np.full(SHAPE, i, dtype=np.uint8), i % 2)
+    public_copy(shared_dir, shared_dir)
+    assert read_as_unprivileged(path)[0] == "ok"
+    read_everything(path)
+    files = files_of(path)
+    assert len(files) > 3
+    for unreadable in files:
+        assert_denied(path, unreadable)
