@@ -26,7 +26,7 @@ from .backends.sharded import given_max_open_parts
 from .dataset import PackedDataset
 from .device import CudaPrefetcher, copy_then_transform, resolve_device
 from .device_decode import DeviceDecoder, check_decoder
-from .errors import DataLoaderWorkerError
+from .errors import DataLoaderWorkerError, PackedFormatError
 from .memory import SlotPool
 from .policy import (
     ON_ERROR,
@@ -39,7 +39,7 @@ from .policy import (
     check_on_error,
     check_verify,
 )
-from .resume import STATE_VERSION, archive_identity, check_state, position_from_state, position_state
+from .resume import STATE_VERSION, StateSpec, archive_identity, position_state, read_state
 from .sampling import (
     BatchPlan,
     BatchSampler,
@@ -50,6 +50,7 @@ from .sampling import (
     rank_and_world_size,
     shard_indices,
 )
+from .tracebacks import release_frames
 from .transforms import apply_transform
 from .transforms.at_decode import split_at_decode
 from .worker import BatchReader, FailedBatch
@@ -90,6 +91,21 @@ class PackedLoader:
     ``loader.sampler.set_epoch(epoch)``.  It is no DataLoader subclass, so
     Lightning leaves it as it is (no DistributedSampler put in): it splits
     itself over the ranks of torch.distributed when each epoch starts.
+
+    Build it with ``make_loader``; the constructor takes the parts that puts together:
+
+    Args:
+        batch_reader: the ``BatchReader`` the workers read (and transform) whole batches with.
+        sampler: the ``BatchSampler`` that plans each epoch's batches.
+        loader: the DataLoader over ``batch_reader`` and ``sampler``.
+        device: where batches end up.
+        transform: what runs on ``device`` after the copy (None: nothing, or all done in the workers).
+        prefetch: batches copied to a CUDA device ahead of use.
+        distributed: split over torch.distributed's ranks (None: when initialised).
+        placement: (rank, world size) given to ``make_loader``, or None.
+        memory_format, return_index: as for ``make_loader``.
+        dataset: the ``PackedDataset`` given to ``make_loader``, if one was (else made on first use).
+        decoder: the ``DeviceDecoder`` of ``decode="device"`` and of crops made in the workers for a GPU.
     """
 
     KIND = "PackedLoader"
@@ -187,7 +203,12 @@ class PackedLoader:
         """This pass's batches.  The pass (its epoch, ranks and order) begins with the first batch
         asked for, so ``set_epoch`` between ``iter()`` and it still counts: Lightning calls
         ``iter`` before ``sampler.set_epoch`` when it starts or resumes training."""
-        yield from self._pass_batches()
+        try:
+            yield from self._pass_batches()
+        except PackedFormatError as error:  # kept by its catcher, it must not keep the loader and its workers
+            release_frames(error)
+            del self
+            raise
 
     def _pass_batches(self) -> Iterator[Tuple[torch.Tensor, ...]]:
         position = self._begin_pass()
@@ -308,12 +329,13 @@ class PackedLoader:
         Raises:
             ValueError: ``state`` is not a PackedLoader state, was saved by a newer
                 version, for another archive, or with another batch size, seed,
-                shuffle or drop_last.
+                shuffle or drop_last, or a field is missing, unknown, of another
+                type or out of range (the message names it).
         """
         self._find_rank()
         n, world = self.sampler.n, self.sampler.world_size
-        check_state(state, self.KIND, self._settings(), self._archive())
-        position = position_from_state(state, "batches", n).moved_to(world, n, self.batch_size)
+        spec = StateSpec(self.KIND, "batches", self._settings(), self.batch_size, world, self._archive())
+        position = read_state(state, spec).moved_to(world, n, self.batch_size)
         if position.done >= self.sampler.split_batches(position.start):
             position = EpochPosition(position.epoch + 1, world_size=world)
         self._resume, self._pass, self._next_epoch = position, None, position.epoch
@@ -384,9 +406,11 @@ def make_loader(
             with its labels, which then come out as it returns them (soft float [B, classes]).
             On an encoded archive with no ``size``, a transform that starts with a crop
             (``RandomResizedCrop``, as ``pf.transforms.train`` does, or ``Resize`` + ``CenterCrop``,
-            as ``val`` does) makes it while decoding: drawn in each image's own size, from a
-            JPEG decoded at the least DCT scale that covers it, only the crop resized (in the
-            workers, also for a GPU, which then runs the rest of the transform).
+            as ``val`` does; alone or first in a ``Compose``, ours or torchvision's, however
+            nested, with MixUp/CutMix after it or not) makes it while decoding: drawn in each
+            image's own size, from a JPEG decoded at the least DCT scale that covers it, only
+            the crop resized (in the workers, also for a GPU, which then runs the rest of the
+            transform).
         distributed: split samples over torch.distributed ranks (None: when initialised);
             see ``shard_indices`` for the split and its padding.  The rank is taken when
             each epoch starts, so a loader built before ``init_process_group`` is split too.

@@ -8,18 +8,25 @@ and a format version.  Its size does not grow with the dataset.
 
 from __future__ import annotations
 
+import numbers
 import os
-from typing import Any, Dict, Iterator, Mapping, Optional, Sized, Union
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, Iterator, Mapping, Optional, Sized, Tuple, Union
 
+import numpy as np
 import torch
 
 from .backends.base import Reader
 from .checksum import array_crc32, crc32
-from .sampling import EpochPosition, rank_and_world_size, shard_indices, share_length
+from .sampling import EpochPosition, batch_count, rank_and_world_size, shard_indices, share_length
+
+if TYPE_CHECKING:  # Python 3.10 and later (only annotations use it)
+    from typing import TypeGuard
 
 STATE_VERSION = 1  # raise when a state's meaning changes; older states stay readable
 
 POSITION_FIELDS = ("epoch", "start", "world_size", "first_batch")
+ARCHIVE_FIELDS = ("name", "count", "classes", "classes_crc32", "labels_crc32")  # of ``archive_identity``
 
 
 def archive_identity(reader: Reader) -> Dict[str, Any]:
@@ -37,33 +44,121 @@ def archive_identity(reader: Reader) -> Dict[str, Any]:
     }
 
 
-def check_state(state: Any, kind: str, settings: Mapping[str, Any],
-                archive: Optional[Mapping[str, Any]] = None) -> None:
-    """ValueError unless ``state`` is a ``kind`` state of a version this library reads, saved
-    with ``settings`` for ``archive`` (an ``archive_identity``; None: not checked)."""
+@dataclass(frozen=True)
+class StateSpec:
+    """What a saved state must fit to be resumed by one loader or sampler.
+
+    ``kind`` and ``done_name`` name the state and its count of steps done;
+    ``settings`` are the values that decide the order (``samples`` and
+    ``drop_last`` among them); ``step`` is the items of a step (the batch size
+    for a loader, 1 for a sampler); ``world_size`` the current one; ``archive``
+    the current ``archive_identity`` (None: unknown, as for a sampler over a length).
+    """
+
+    kind: str
+    done_name: str
+    settings: Mapping[str, Any]
+    step: int
+    world_size: int
+    archive: Optional[Mapping[str, Any]]
+
+    @property
+    def fields(self) -> Tuple[str, ...]:
+        return ("kind", "version", *POSITION_FIELDS, self.done_name, *self.settings, "rank", "archive")
+
+
+def read_state(state: Any, spec: StateSpec) -> EpochPosition:
+    """The ``EpochPosition`` saved in ``state`` (not yet moved to the current world size), after checking
+    every field: present, none unknown, of its type (an int is an int: not a bool, a float or a string),
+    in its range, the settings the same and the archive this one.
+
+    Raises:
+        ValueError: naming the first field that does not fit and what was expected.
+    """
+    _check_kind_and_version(state, spec.kind)
+    missing = [name for name in spec.fields if name not in state]
+    if missing:
+        raise ValueError(f"the {spec.kind} state lacks {', '.join(missing)}; pass what {spec.kind}.state_dict() "
+                         "returned")
+    unknown = sorted(map(repr, set(state) - set(spec.fields)))
+    if unknown:
+        raise ValueError(f"the {spec.kind} state has unknown field(s) {', '.join(unknown)}; a {spec.kind} state "
+                         f"has exactly {', '.join(spec.fields)}")
+    _check_archive_field(state["archive"], spec)
+    for name, value in spec.settings.items():
+        _check_setting(state, name, value, spec.kind)
+    return _position(state, spec)
+
+
+def _check_kind_and_version(state: Any, kind: str) -> None:
     if not isinstance(state, Mapping) or state.get("kind") != kind:
         found = state.get("kind") if isinstance(state, Mapping) else type(state).__name__
         raise ValueError(f"not a {kind} state (found {found!r}); pass what {kind}.state_dict() returned")
     version = state.get("version")
-    if not isinstance(version, int) or version < 1:
-        raise ValueError(f"the {kind} state has no valid version ({version!r})")
+    if not _is_int(version) or version < 1:
+        raise ValueError(f"the {kind} state has no valid version ({version!r}): expected an integer from 1 to "
+                         f"{STATE_VERSION}")
     if version > STATE_VERSION:
         raise ValueError(
             f"the {kind} state has version {version}, saved by a newer packed_formats; this one reads "
             f"versions up to {STATE_VERSION}: upgrade packed_formats to resume from it"
         )
-    missing = [name for name in (*POSITION_FIELDS, *settings) if name not in state]
-    if missing:
-        raise ValueError(f"the {kind} state lacks {', '.join(missing)}")
-    if archive is not None and state.get("archive") is not None:
-        check_archive(state["archive"], archive)
-    for name, value in settings.items():
-        if state[name] != value:
-            raise ValueError(
-                f"cannot resume: the state was saved with {name}={state[name]!r}, this {kind} has "
-                f"{name}={value!r}; the rest of the epoch would not be the samples the interrupted run "
-                f"had left (use the same {name}, or start the epoch over)"
-            )
+
+
+def _is_int(value: Any) -> TypeGuard[int]:
+    """An exact integer: Python's or numpy's, but not a bool (nor a float, however round)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def _check_setting(state: Mapping[str, Any], name: str, value: Any, kind: str) -> None:
+    saved = state[name]
+    if isinstance(value, bool):
+        fits, expected = isinstance(saved, (bool, np.bool_)), "True or False"
+    else:
+        fits, expected = _is_int(saved), "an integer"
+    if not fits:
+        raise ValueError(f"the {kind} state's {name} must be {expected}, got {saved!r}")
+    if saved != value:
+        raise ValueError(
+            f"cannot resume: the state was saved with {name}={saved!r}, this {kind} has "
+            f"{name}={value!r}; the rest of the epoch would not be the samples the interrupted run "
+            f"had left (use the same {name}, or start the epoch over)"
+        )
+
+
+def _check_archive_field(saved: Any, spec: StateSpec) -> None:
+    """The state's ``archive`` is an archive identity (None only where ``spec`` has none) and the current one's."""
+    if saved is None and spec.archive is None:
+        return
+    if saved is None and spec.archive is not None:
+        raise ValueError(
+            f"the {spec.kind} state's archive is None, where the identity of the archive it was saved for "
+            f"({', '.join(ARCHIVE_FIELDS)}) is expected: without it this {spec.kind} cannot tell whether the state "
+            f"is {spec.archive['name']!r}'s; pass what {spec.kind}.state_dict() returned"
+        )
+    problem = _identity_problem(saved)
+    if problem:
+        raise ValueError(f"the {spec.kind} state's archive must be a dict of {', '.join(ARCHIVE_FIELDS)} "
+                         f"(what {spec.kind}.state_dict() saves): {problem}")
+    if spec.archive is not None:
+        check_archive(saved, spec.archive)
+
+
+def _identity_problem(saved: Any) -> str:
+    """What is wrong with ``saved`` as an ``archive_identity`` ("" if nothing)."""
+    if not isinstance(saved, Mapping):
+        return f"got {type(saved).__name__} {saved!r}"
+    missing = [key for key in ARCHIVE_FIELDS if key not in saved]
+    unknown = sorted(map(repr, set(saved) - set(ARCHIVE_FIELDS)))
+    if missing or unknown:
+        return f"it lacks {', '.join(missing) or 'nothing'} and has unknown {', '.join(unknown) or 'nothing'}"
+    if not isinstance(saved["name"], str):
+        return f"its name is {saved['name']!r}, not a string"
+    for key in ("count", "classes", "classes_crc32", "labels_crc32"):
+        high = 2**32 - 1 if key.endswith("crc32") else 2**63 - 1
+        if not _is_int(saved[key]) or not 0 <= saved[key] <= high:
+            return f"its {key} is {saved[key]!r}, not an integer from 0 to {high}"
+    return ""
 
 
 def check_archive(saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:
@@ -78,25 +173,40 @@ def check_archive(saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:
         )
 
 
+def _position(state: Mapping[str, Any], spec: StateSpec) -> EpochPosition:
+    """The position fields, each an int in the range the others and the settings allow.
+
+    A run on W ranks of n samples has rank < W; a world larger than both n and the current one
+    has no samples for some of its ranks, so no such run saved the state.  Positions ``start``
+    on are split (so start <= n); every batch numbered before ``start`` covered at least one
+    of its positions (so first_batch <= start); ``done`` steps are at most the split's.
+    """
+    n, kind = spec.settings["samples"], spec.kind
+
+    def field(name: str, low: int, high: int, why: str = "") -> int:
+        value = state[name]
+        if not _is_int(value) or not low <= value <= high:
+            raise ValueError(f"the {kind} state's {name} must be an integer from {low} to {high}{why}, "
+                             f"got {value!r}")
+        return int(value)
+
+    world = field("world_size", 1, max(n, spec.world_size), f" (at most the {n} samples or this world size)")
+    field("rank", 0, world - 1, f" (a rank of the state's world_size {world})")
+    seed = int(spec.settings.get("seed", 0))
+    epoch = field("epoch", 0, 2**63 - 1 - max(seed, 0), " (seed + epoch seeds the shuffle)")
+    start = field("start", 0, n, f" (a position of the {n} samples' order)")
+    first = field("first_batch", 0, start, " (batches before the start each covered one of its positions)")
+    share = share_length(n - start, world, spec.settings["drop_last"])
+    steps = batch_count(share, spec.step, spec.settings["drop_last"])
+    done = field(spec.done_name, 0, steps, f" (the steps of this rank's share from position {start} on "
+                                           f"{world} rank(s))")
+    return EpochPosition(epoch, start, world, done, first)
+
+
 def position_state(position: EpochPosition, done_name: str) -> Dict[str, int]:
     """``position`` as state fields (its ``done`` named ``done_name``)."""
     return {"epoch": position.epoch, "start": position.start, "world_size": position.world_size,
             "first_batch": position.first_batch, done_name: position.done}
-
-
-def position_from_state(state: Mapping[str, Any], done_name: str, n: int) -> EpochPosition:
-    """The ``EpochPosition`` a checked state holds; ValueError when its numbers are out of range."""
-    if done_name not in state:
-        raise ValueError(f"the state lacks {done_name}")
-    try:
-        fields = {name: int(state[name]) for name in POSITION_FIELDS}
-        position = EpochPosition(done=int(state[done_name]), **fields)
-    except (KeyError, TypeError, ValueError):
-        raise ValueError(f"the state's position is not a set of integers: {dict(state)!r}") from None
-    if min(position.epoch, position.start, position.done, position.first_batch) < 0 or position.world_size < 1 \
-            or position.start > n:
-        raise ValueError(f"the state's position is out of range for {n} samples: {position}")
-    return position
 
 
 class ResumableSampler(torch.utils.data.Sampler[int]):
@@ -255,8 +365,8 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Make the next pass continue where ``state`` stopped (ValueError if it cannot)."""
-        check_state(state, self.KIND, self._settings(), self._archive())
-        position = position_from_state(state, "consumed", self.n).moved_to(self.num_replicas, self.n, 1)
+        spec = StateSpec(self.KIND, "consumed", self._settings(), 1, self.num_replicas, self._archive())
+        position = read_state(state, spec).moved_to(self.num_replicas, self.n, 1)
         if position.done >= self._split_share(position):
             position = EpochPosition(position.epoch + 1, world_size=self.num_replicas)
         self._pending, self._pass, self.epoch = position, None, position.epoch

@@ -17,7 +17,17 @@ import os
 from typing import Any, List, Optional, Sequence, Type, Union
 
 from ..errors import ArchiveNotFoundError, InvalidSourceError, UnknownFormatError
-from .base import Sample, Source, SourceOptions, SourceWarning, UnpicklingWarning, read_head, warn_if_suspicious
+from .base import (
+    Sample,
+    Source,
+    SourceMemberWarning,
+    SourceOptions,
+    SourceWarning,
+    UnpicklingWarning,
+    check_names,
+    read_head,
+    warn_if_suspicious,
+)
 from .flat_folder import FlatFolderSource, read_label_file
 from .folder import FolderSource
 from .hdf5 import HDF5Source
@@ -78,11 +88,14 @@ def open_source(
 
     ``path`` may also be a list of webdataset shards or a brace pattern
     (``shards-{000..009}.tar``).  Warns (SourceWarning) when the source has
-    one class or every label equal.
+    one class or every label equal, and (SourceMemberWarning) when members of
+    a container are left out (links out of it, devices, FIFOs) or a name comes
+    twice (the last is read, as extracting keeps it).
 
     Raises:
         ArchiveNotFoundError, UnknownFormatError (no kind reads it),
-        InvalidSourceError (a kind reads it but something in it does not fit),
+        InvalidSourceError (a kind reads it but something in it does not fit, such as a key or a
+            class name with a control character),
         CorruptArchiveError (truncated or damaged container).
     """
     options = SourceOptions(
@@ -106,6 +119,11 @@ def open_source(
             source.path, f"no images found ({source.kind}: {source.layout}){left_out}",
             hint="expected images in class folders, or name the layout with --source-format",
         )
+    try:
+        check_names(source)
+    except InvalidSourceError:
+        source.close()
+        raise
     warn_if_suspicious(source)
     return source
 
@@ -212,6 +230,7 @@ __all__ = [
     "KINDS",
     "Sample",
     "Source",
+    "SourceMemberWarning",
     "SourceOptions",
     "SourceWarning",
     "UnpicklingWarning",

@@ -38,6 +38,11 @@ class UnpicklingWarning(SourceWarning):
     """Pickled records are being unpickled, which runs code from the file (``allow_pickle=True``)."""
 
 
+class SourceMemberWarning(SourceWarning):
+    """Members of a source container were left out (links out of it, devices, FIFOs) or replaced by a
+    later member of the same name (the last one is kept, as extracting the container keeps it)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class SourceOptions:
     """How to read a source; each kind uses the options that concern it.
@@ -210,23 +215,28 @@ def warn_if_suspicious(source: Source) -> None:
 
 # ---- member names ------------------------------------------------------------------------------
 _DRIVE = re.compile(r"^[A-Za-z]:")
-_PLAIN = re.compile(r"(?!\.{1,2}(/|$))(?!.*/\.{0,2}(/|$))[^/\\:]+(/[^/\\]+)*")  # no "", ".", ".." parts
+# no "", ".", ".." parts, no control characters
+_PLAIN = re.compile(r"(?!\.{1,2}(/|$))(?!.*/\.{0,2}(/|$))[^/\\:\x00-\x1f\x7f]+(/[^/\\\x00-\x1f\x7f]+)*")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # NUL, newline, tab, escape...: never in a key or a class name
+_CONTROL_BYTES = np.zeros(256, dtype=bool)  # a lookup table: which bytes are control characters
+_CONTROL_BYTES[[*range(32), 127]] = True
 
 
 class UnsafeName(ValueError):
-    """An archive member name that is absolute or climbs out with '..'."""
+    """An archive member name that is absolute, climbs out with '..', or holds a control character."""
 
 
 def member_path(name: str) -> str:
     """A container member's name as a clean relative POSIX path ("./a//b" -> "a/b").
 
-    Raises UnsafeName for absolute names and names with a ".." component: such
-    a name never becomes a key (nothing is extracted, but a key is a path to
-    whoever unpacks the archive later).
+    Raises UnsafeName for absolute names, names with a ".." component and names
+    with a control character (a NUL, a newline...): such a name never becomes a
+    key (nothing is extracted, but a key is a path to whoever unpacks the
+    archive later, and a line in whatever lists the keys).
     """
     if _PLAIN.fullmatch(name):
         return name  # the usual case, checked at once
-    if name.startswith(("/", "\\")) or _DRIVE.match(name):
+    if name.startswith(("/", "\\")) or _DRIVE.match(name) or _CONTROL.search(name):
         raise UnsafeName(name)
     parts = [p for p in name.split("/") if p not in ("", ".")]
     if any(p == ".." or ".." in p.split("\\") for p in parts):
@@ -235,10 +245,105 @@ def member_path(name: str) -> str:
 
 
 def unsafe_name_error(path: str, name: str) -> InvalidSourceError:
+    """The error for a member whose name ``member_path`` refuses (the name shown escaped, as Python writes it)."""
+    if _CONTROL.search(name):
+        problem = "has a control character in its name (a NUL, a newline...; shown escaped)"
+    else:
+        problem = "has an unsafe path (absolute, or with '..')"
     return InvalidSourceError(
-        path, f"member {name!r} has an unsafe path (absolute, or with '..'): refused",
-        hint="the archive may be malicious; --on-error skip leaves such members out",
+        path, f"member {name!r} {problem}: refused",
+        hint="the archive may be malicious or damaged; --on-error skip leaves such members out",
     )
+
+
+def check_names(source: Source) -> None:
+    """InvalidSourceError when a class name or a key of ``source`` holds a control character.
+
+    Whatever the source kind (a folder's file and directory names, a list file,
+    label values, an HDF5 or LMDB source's keys): a newline or a NUL in a key
+    or a class name would make it another name, or another line, to whoever
+    reads the archive's index later.  The keys are checked as the bytes array
+    they are kept in, a block at a time.
+    """
+    hint = "rename it; keys and class names must be printable"
+    for name in source.classes:
+        if _CONTROL.search(name):
+            raise InvalidSourceError(
+                source.path, f"class name {name!r} has a control character (shown escaped): refused", hint=hint
+            )
+    i = _first_key_with_control(source.keys)
+    if i is not None:
+        key = source.key(i)
+        raise InvalidSourceError(
+            source.location(i), f"key {key!r} has a control character (shown escaped): refused", index=i, key=key,
+            hint=hint,
+        )
+
+
+def _first_key_with_control(keys: np.ndarray, block_bytes: int = 64 << 10) -> Optional[int]:
+    """The index of the first key with a control character, or None.
+
+    A fixed-width bytes array pads each key with NULs: a NUL counts only before
+    another byte of the key.  Blocks of ``block_bytes`` keep the temporary arrays small.
+    """
+    if keys.dtype.kind != "S" or keys.dtype.itemsize == 0:
+        return next((i for i, key in enumerate(keys) if _CONTROL.search(str(key))), None)
+    width = keys.dtype.itemsize
+    block = max(1, block_bytes // width)
+    for first in range(0, len(keys), block):
+        rows = np.ascontiguousarray(keys[first:first + block]).view(np.uint8).reshape(-1, width)
+        bad = _CONTROL_BYTES[rows]  # NULs included: the padding, unless another byte follows
+        nul = rows == 0
+        bad &= ~nul | np.logical_or.accumulate(~nul[:, ::-1], axis=1)[:, ::-1]  # a NUL with a byte after it
+        hit = np.flatnonzero(bad.any(axis=1))
+        if len(hit):
+            return first + int(hit[0])
+    return None
+
+
+def keep_last(names: List[str], scopes: "Optional[Sequence[int] | np.ndarray]" = None) -> List[int]:
+    """Blank ("") each name that a later name of the same scope repeats, as extracting the container would
+    overwrite it; the indices blanked, in order.
+
+    ``scopes``: which file each name is in (a tar, a member tar), None: one.  A
+    hash per name finds the candidates, so no dict of every name is built.
+    """
+    if not names:
+        return []
+    scope_of = scopes if scopes is not None else [0] * len(names)
+    hashes = np.fromiter((hash((scope_of[j], name)) for j, name in enumerate(names)), dtype=np.int64,
+                         count=len(names))
+    _, inverse, counts = np.unique(hashes, return_inverse=True, return_counts=True)
+    last: Dict[Tuple[int, str], int] = {}
+    blanked: List[int] = []
+    for j in np.flatnonzero(counts[inverse] > 1).tolist():
+        name = names[j]
+        if not name:
+            continue
+        earlier = last.get((scope_of[j], name))
+        if earlier is not None:
+            names[earlier] = ""
+            blanked.append(earlier)
+        last[(scope_of[j], name)] = j
+    return sorted(blanked)
+
+
+def warn_members(path: str, left_out: Sequence[str], replaced: Sequence[str], container: str) -> None:
+    """One SourceMemberWarning listing the members left out, and one listing the names found twice."""
+    if left_out:
+        warnings.warn(SourceMemberWarning(
+            f"{path}: left out {len(left_out)} member(s) that are no file of the {container}: {_some(left_out)}"
+        ), stacklevel=4)
+    if replaced:
+        warnings.warn(SourceMemberWarning(
+            f"{path}: {len(replaced)} member name(s) found more than once; the last of each is read, as "
+            f"extracting the {container} would keep it: {_some(replaced)}"
+        ), stacklevel=4)
+
+
+def _some(items: Sequence[str], shown: int = 20) -> str:
+    more = f" (and {len(items) - shown} more)" if len(items) > shown else ""
+    return "; ".join(items[:shown]) + more
 
 
 def is_junk(path: str) -> bool:

@@ -14,7 +14,7 @@ from typing import Dict, List
 from ..backends.folder import is_image_file
 from ..errors import InvalidSourceError
 from .base import SourceOptions, in_folder_order, is_junk
-from .tarfiles import TarBackedSource, TarListing, TarSamples, refuse_unsafe
+from .tarfiles import TarBackedSource, TarListing, TarSamples, screen_members
 
 
 class NestedTarSource(TarBackedSource):
@@ -31,7 +31,7 @@ class NestedTarSource(TarBackedSource):
     def from_listing(cls, path: str, listing: TarListing, options: SourceOptions) -> "NestedTarSource":
         if options.subdir is not None:
             raise InvalidSourceError(path, "a tar of per-class tars takes no subdir option")
-        failed = refuse_unsafe(listing, options)
+        failed = screen_members(path, listing, options)
         stems: Dict[int, str] = {}
         for s in sorted(listing.expanded):
             name = listing.names[s]

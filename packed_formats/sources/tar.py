@@ -10,7 +10,7 @@ from __future__ import annotations
 from ..errors import InvalidSourceError
 from .base import SourceOptions
 from .layout import DATASET_JSON, dataset_json_layout, dataset_json_member, image_folder_layout, looks_like_dataset_json
-from .tarfiles import TarBackedSource, TarListing, TarSamples, refuse_unsafe
+from .tarfiles import TarBackedSource, TarListing, TarSamples, screen_members
 
 
 class TarSource(TarBackedSource):
@@ -28,7 +28,7 @@ class TarSource(TarBackedSource):
             raise InvalidSourceError(
                 path, "several tar files are read as webdataset shards", hint="--source-format webdataset"
             )
-        failed = refuse_unsafe(listing, options)
+        failed = screen_members(path, listing, options)
         names = [name if listing.outer[s] < 0 else "" for s, name in enumerate(listing.names)]
         where = dataset_json_member(names, options.subdir)
         if where == -1:

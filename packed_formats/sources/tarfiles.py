@@ -51,7 +51,17 @@ import numpy as np
 
 from ..errors import CorruptArchiveError, CorruptSampleError
 from ..index import decode_key, encode_keys
-from .base import FilePool, Sample, Source, SourceOptions, UnsafeName, member_path, unsafe_name_error
+from .base import (
+    FilePool,
+    Sample,
+    Source,
+    SourceOptions,
+    UnsafeName,
+    keep_last,
+    member_path,
+    unsafe_name_error,
+    warn_members,
+)
 from .tarscan import BLOCK, Blocks, Entry, FileBlocks, Position, StreamBlocks, scan, valid_header
 
 _STREAM_ERRORS: Tuple[Type[BaseException], ...] = (
@@ -106,7 +116,8 @@ class TarListing:
     """Every file of one or more tars (``parts``), in archive order: entry ``seq`` is the seq-th file met.
 
     ``names[seq]`` is the clean relative path ("" for a member that is no
-    usable file: an unsafe name, or a link to nothing in the tar);
+    usable file: an unsafe name, a link to nothing in the tar, or a name that a
+    later member of the same tar repeats: the last one is kept, as tar extracts);
     ``outer[seq]`` the seq of the member tar it is inside of (-1: none);
     ``data[seq]`` the seq whose bytes it has (itself, or a link's target).
     """
@@ -124,7 +135,9 @@ class TarListing:
     contents: Dict[int, bytes] = dataclasses.field(default_factory=dict)
     expanded: Set[int] = dataclasses.field(default_factory=set)  # member tars listed inside
     unsafe: List[Tuple[str, str]] = dataclasses.field(default_factory=list)  # (part path, member name)
-    dangling_links: int = 0
+    # (part path, "'member' (why)"): devices, FIFOs, links out of the tar...
+    left_out: List[Tuple[str, str]] = dataclasses.field(default_factory=list)
+    replaced: List[Tuple[str, str]] = dataclasses.field(default_factory=list)  # (part path, "'member'") found again
 
     def where(self, seq: int) -> str:
         """``part.tar:member`` (``part.tar:outer.tar/member`` inside a member tar)."""
@@ -148,7 +161,7 @@ def list_tars(
     Raises CorruptArchiveError naming the part and member for a truncated or damaged tar.
     """
     listing = TarListing(list(parts), [bool(compression(_head(p))) for p in parts])
-    links: List[Tuple[int, str]] = []
+    links: List[Tuple[int, str, str]] = []  # (seq, target path, link name as stored)
     for member in _walk(listing, stream=False, expand=expand, record=True):
         entry, seq = member.entry, member.seq
         listing.part.append(member.part)
@@ -165,14 +178,31 @@ def list_tars(
         if not name:
             continue
         if entry.kind != "file":
-            links.append((seq, _link_target(name, entry)))
+            links.append((seq, _link_target(name, entry), entry.linkname))
         elif keep_content(name) and entry.size <= _CONTENT_LIMIT:
             try:
                 listing.contents[seq] = entry.read()
             except _STREAM_ERRORS as exc:  # the file shrank since its header was read
                 raise CorruptArchiveError(parts[member.part], f"cannot read member {name!r} ({exc})") from None
+    _keep_last(listing)
     _resolve_links(listing, links)
     return listing
+
+
+def _keep_last(listing: TarListing) -> None:
+    """Of members of one tar (or member tar) with the same name, keep the last, as extracting it does."""
+    parts, outers = np.frombuffer(listing.part, dtype=np.int64), np.frombuffer(listing.outer, dtype=np.int64)
+    scopes = parts * (len(listing.names) + 1) + outers + 1  # one number per (part, member tar)
+    names = list(listing.names)
+    blanked = keep_last(names, scopes)
+    if not blanked:
+        return
+    listing.replaced.extend((listing.parts[listing.part[s]], repr(_inner_name(listing, s))) for s in blanked)
+    listing.names[:] = names
+    gone = set(blanked) & listing.expanded  # a member tar replaced: its members go with it
+    if gone:
+        for seq in np.flatnonzero(np.isin(outers, list(gone))).tolist():
+            listing.names[seq] = ""
 
 
 def _head(path: str) -> bytes:
@@ -186,23 +216,27 @@ def _link_target(name: str, entry: Entry) -> str:
     return posixpath.normpath(posixpath.join(posixpath.dirname(name), entry.linkname))
 
 
-def _resolve_links(listing: TarListing, links: List[Tuple[int, str]]) -> None:
+def _resolve_links(listing: TarListing, links: List[Tuple[int, str, str]]) -> None:
     """Point each link at the file it names (same part and member tar), or drop it."""
     if not links:
         return
-    linked = {seq for seq, _ in links}
+    linked = {seq for seq, _, _ in links}
     files = {
         (listing.part[s], listing.outer[s], name): s for s, name in enumerate(listing.names) if name and s not in linked
     }
-    for seq, target in links:
+    for seq, target, stored in links:
+        if not listing.names[seq]:
+            continue  # replaced by a later member of its name
         try:
             clean = member_path(target)
+            where = "which is no file of the tar"
         except UnsafeName:
-            clean = ""
+            clean, where = "", "outside the tar"
         found = files.get((listing.part[seq], listing.outer[seq], clean))
         if found is None:
+            listing.left_out.append((listing.parts[listing.part[seq]],
+                                     f"{_inner_name(listing, seq)!r} (a link to {stored!r}, {where})"))
             listing.names[seq] = ""
-            listing.dangling_links += 1
             continue
         listing.data[seq] = found
         listing.sizes[seq] = listing.sizes[found]
@@ -241,6 +275,7 @@ def _walk(listing: TarListing, stream: bool, expand: Callable[[str], bool], reco
                     state.outer = None
         except _STREAM_ERRORS as exc:
             raise _error(state, exc) from None
+        listing.left_out.extend((path, f"{name!r} ({what})") for name, what in state.special or ())
         for name in state.dirs or ():
             try:
                 listing.dirs.append(member_path(name))
@@ -497,15 +532,21 @@ class TarBackedSource(Source):
         self.samples.close()
 
 
-def refuse_unsafe(listing: TarListing, options: SourceOptions) -> List[str]:
-    """Members with unsafe names: an error (on_error="raise") or the list of them as failures."""
+def screen_members(path: str, listing: TarListing, options: SourceOptions) -> List[str]:
+    """Members with unsafe names: an error (on_error="raise") or the list of them as failures; then
+    one warning listing the members left out (links out of the tar, devices, FIFOs) and one listing
+    the names found twice (the last of each kept)."""
     errors = [unsafe_name_error(part, name) for part, name in listing.unsafe]
     if errors and options.on_error == "raise":
         raise errors[0]
+    def shown(entries: List[Tuple[str, str]]) -> List[str]:
+        return [text if len(listing.parts) == 1 else f"{part}: {text}" for part, text in entries]
+
+    warn_members(path, shown(listing.left_out), shown(listing.replaced), "tar")
     return [str(e) for e in errors]
 
 
 __all__ = [
     "DEFAULT_LABEL_KEY", "REORDER_BUFFER_BYTES", "TarBackedSource", "TarListing", "TarSamples", "compression", "is_tar",
-    "list_for_sources", "list_tars", "member_extension", "refuse_unsafe",
+    "list_for_sources", "list_tars", "member_extension", "screen_members",
 ]

@@ -14,12 +14,13 @@ from __future__ import annotations
 import os
 import struct
 import tarfile
-from typing import IO, Callable, Dict, Iterator, List, NamedTuple, Optional, Union
+from typing import IO, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple, Union
 
 BLOCK = tarfile.BLOCKSIZE
 _ZERO_BLOCK = bytes(BLOCK)
 _FILE_TYPES = {b"0": "file", b"\0": "file", b"7": "file", b"1": "hardlink", b"2": "symlink"}
 _KNOWN_TYPES = (b"0", b"\0", b"1", b"2", b"3", b"4", b"5", b"6", b"7")
+_SPECIAL_TYPES = {b"3": "a character device", b"4": "a block device", b"6": "a FIFO"}
 _GNU_MAGIC = b"ustar  \0"
 _SIGNED = struct.Struct("148b8x356b")
 
@@ -36,13 +37,18 @@ class Entry(NamedTuple):
 
 
 class Position:
-    """Where a walk is (the member being read, directories met), to name the member when it fails."""
+    """Where a walk is (the member being read, directories met), to name the member when it fails.
+
+    While listing (``dirs`` given) it also collects the members that are no file, link or
+    directory (devices, FIFOs, types this reader does not know) as (name, what it is).
+    """
 
     def __init__(self, path: str, dirs: Optional[List[str]] = None) -> None:
         self.path = path
         self.name: Optional[str] = None
         self.outer: Optional[str] = None  # the member tar being read
         self.dirs = dirs  # directory members of the top level, collected while listing
+        self.special: Optional[List[Tuple[str, str]]] = None if dirs is None else []
 
 
 class FileBlocks:
@@ -127,6 +133,9 @@ def scan(blocks: Blocks, start: int, end: int, state: Position, top: bool) -> It
             file_kind = None  # an old-style directory
         if file_kind is None and kind in (b"5", b"0", b"\0") and state.dirs is not None and top:
             state.dirs.append(name)
+        elif file_kind is None and kind not in (b"5", b"0", b"\0") and state.special is not None:
+            shown = f"{state.outer}/{name}" if state.outer else name
+            state.special.append((shown, _SPECIAL_TYPES.get(kind, f"of type {_text(kind)!r}")))
         has_data = file_kind == "file" or kind not in _KNOWN_TYPES
         if has_data and data + size > end:
             raise EOFError(f"the data ends at byte {end}, before the member's {size} bytes")

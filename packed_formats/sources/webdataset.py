@@ -21,7 +21,7 @@ from typing import Dict, List, Sequence, Tuple
 
 from ..errors import ArchiveNotFoundError, InvalidSourceError
 from .base import SourceOptions, classes_and_labels, is_junk
-from .tarfiles import DEFAULT_LABEL_KEY, TarBackedSource, TarListing, TarSamples, member_extension, refuse_unsafe
+from .tarfiles import DEFAULT_LABEL_KEY, TarBackedSource, TarListing, TarSamples, member_extension, screen_members
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 _BRACE = re.compile(r"\{([^{}]*)\}")
@@ -44,7 +44,7 @@ class WebDatasetSource(TarBackedSource):
             raise InvalidSourceError(path, "webdataset shards take no subdir option")
         label_ext = (options.label_key or DEFAULT_LABEL_KEY).lower()
         preferred = _imagemember_extensions(options.image_key)
-        failed = refuse_unsafe(listing, options)
+        failed = screen_members(path, listing, options)
         seqs: List[int] = []
         keys: List[str] = []
         values: List[str] = []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bz2
 import os
+import stat
 import struct
 import zipfile
 import zlib
@@ -20,7 +21,7 @@ import numpy as np
 from ..checksum import crc32
 from ..errors import CorruptArchiveError, CorruptSampleError, InvalidSourceError
 from ..index import decode_key, encode_keys
-from .base import FilePool, Source, SourceOptions, UnsafeName, member_path, unsafe_name_error
+from .base import FilePool, Source, SourceOptions, UnsafeName, keep_last, member_path, unsafe_name_error, warn_members
 from .layout import DATASET_JSON, dataset_json_layout, dataset_json_member, image_folder_layout, looks_like_dataset_json
 
 _LOCAL = struct.Struct("<4s5H3L2H")  # local file header: signature ... name length, extra length
@@ -46,14 +47,20 @@ class ZipSource(Source):
                 names: List[str] = []
                 dirs: List[str] = []
                 failed: List[str] = []
+                left_out: List[str] = []
                 for info in infos:
                     name = _clean(path, info.filename, options, failed)
-                    if info.is_dir() or _is_symlink(info):
+                    other = _not_a_file(info)
+                    if info.is_dir() or other:
                         names.append("")
                         if info.is_dir() and name:
                             dirs.append(name)
+                        elif other and name:
+                            left_out.append(f"{name!r} ({other})")
                         continue
                     names.append(name)
+                replaced = _keep_last(names)
+                warn_members(path, left_out, replaced, "ZIP file")
                 where = dataset_json_member(names, options.subdir)
                 if where == -1:
                     raise InvalidSourceError(path, f"has several {DATASET_JSON} files", hint="choose one with --subdir")
@@ -143,8 +150,19 @@ def _clean(path: str, name: str, options: SourceOptions, failed: List[str]) -> s
         return ""
 
 
-def _is_symlink(info: zipfile.ZipInfo) -> bool:
-    return (info.external_attr >> 16) & 0o170000 == 0o120000
+_OTHER_TYPES = {stat.S_IFLNK: "a symbolic link; ZIP links are not followed", stat.S_IFCHR: "a character device",
+                stat.S_IFBLK: "a block device", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket"}
+
+
+def _not_a_file(info: zipfile.ZipInfo) -> str:
+    """What a member is when its Unix mode says it is no file or directory (a link, a device...), else ""."""
+    return _OTHER_TYPES.get(stat.S_IFMT(info.external_attr >> 16), "")
+
+
+def _keep_last(names: List[str]) -> List[str]:
+    """Blank the earlier of members with the same name (the last is the one unzip leaves); them, as shown."""
+    before = list(names)
+    return [repr(before[j]) for j in keep_last(names)]
 
 
 def truncated_zip_error(path: str, exc: Exception) -> CorruptArchiveError:
