@@ -18,7 +18,7 @@ from typing import List, NoReturn, Optional
 from . import __version__
 from .errors import PackedFormatError
 
-COMMANDS = ("convert", "info", "verify", "bench", "doctor", "stage")
+COMMANDS = ("convert", "join", "info", "verify", "bench", "doctor", "stage")
 # module -> (pip package, extra of packed_formats that installs it)
 OPTIONAL_PACKAGES = {
     "matplotlib": ("matplotlib", "plot"),

@@ -46,7 +46,7 @@ from .policy import RESIZE_MODES
 from .prepare import Recipe, parse_size
 from .sources import Source, SourcePath, open_source
 from .sources.base import SourceWarning
-from .space import check_free_space, disk_usage, human_bytes
+from .space import archive_bytes, check_free_space, disk_usage, human_bytes
 
 ON_ERROR = ("raise", "skip")
 _TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.pf-tmp-(?P<pid>\d+)-[0-9a-f]{8}(-old)?$")
@@ -65,7 +65,20 @@ class ConversionInterrupted(KeyboardInterrupt):
 
 @dataclasses.dataclass
 class ConvertSummary:
-    """What a conversion did."""
+    """What a conversion did.
+
+    Args:
+        source, destination: the paths read and written.
+        format, mode: the archive's format and mode ("raw" or "encoded").
+        samples, classes: how many samples and classes were packed.
+        skipped: non-image files left out of the source.
+        failed: unreadable images skipped with ``on_error="skip"``, as "path: problem".
+        bytes: the size on disk of everything written.
+        seconds: how long the conversion took (``samples_per_second`` follows).
+        layout: what a sample is, such as "raw 128x128x3" or "encoded jpeg".
+        parts: the shard files of a sharded archive (empty when not sharded).
+        note: what else happened (for a part of a set: which parts, and whether the set was joined).
+    """
 
     source: str
     destination: str
@@ -79,6 +92,7 @@ class ConvertSummary:
     seconds: float
     layout: str  # "raw 128x128x3" or "encoded jpeg"
     parts: List[str] = dataclasses.field(default_factory=list)  # shard files (empty when not sharded)
+    note: str = ""  # what else happened (a part of a set: which parts, and whether the set was joined)
 
     @property
     def samples_per_second(self) -> float:
@@ -91,6 +105,7 @@ class ConvertSummary:
             f"wrote {self.destination} ({self.format}, {self.layout}{shards}): {self.samples} samples, "
             f"{self.classes} classes, {self.skipped} non-image files skipped, {len(self.failed)} bad images skipped, "
             f"{human_bytes(self.bytes)}, {self.seconds:.1f} s ({self.samples_per_second:.0f} samples/s)"
+            + (f"; {self.note}" if self.note else "")
         )
 
 
@@ -115,6 +130,7 @@ def convert(
     label_key: Optional[str] = None,
     image_key: Optional[str] = None,
     allow_pickle: bool = False,
+    part: Optional[Tuple[int, Optional[int]]] = None,
 ) -> ConvertSummary:
     """Pack ``src`` into ``dst``, reading ``src`` where it is (nothing is extracted).
 
@@ -146,6 +162,11 @@ def convert(
             (default ``cls``; ``jpg,jpeg,png,webp``), HDF5 dataset names (``labels``, ``images``)
             or the fields of pickled records.
         allow_pickle: read an LMDB of pickled records; unpickling runs code from the file.
+        part: (I, N): write only task I's parts of N tasks of a sharded set (``shard_size``
+            decides the split, the same for every N), then its index if every part is sealed;
+            N None: from the set's plan, or the Slurm array (``parts.parse_part("auto")``).
+            See ``packed_formats.parts``.
+        overwrite: replace an archive already at ``dst`` (else ArchiveExistsError).
 
     Raises:
         PackedFormatError (bad source, destination inside the source or
@@ -160,9 +181,12 @@ def convert(
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
     shown = _shown(src)
+    if part is not None:
+        _check_part_options(dst, shard_size, overwrite)
     for path in _source_paths(src):
-        _check_destination(path, dst, overwrite)
-    clean_stale_temp_files(dst)
+        _check_destination(path, dst, overwrite or part is not None)
+    if part is None:  # a task of a set cleans only its own parts' (another node's writers may be alive)
+        clean_stale_temp_files(dst)
     replaced_parts = existing_parts(dst) if overwrite else []
     source = open_source(
         src, labels, subdir=subdir, source_format=source_format, label_key=label_key, image_key=image_key,
@@ -170,9 +194,13 @@ def convert(
     )
     try:
         recipe = _recipe(source, mode, size, resize_mode, encoding, quality)
+        if part is not None:
+            with _signals_interrupt():
+                return _convert_part(source, shown, dst, format, recipe, part, int(shard_size or 0), workers,
+                                     on_error, quiet, started)
         check_free_space(
-            os.path.dirname(os.path.abspath(dst)), estimated_output_bytes(source, recipe), f"write {dst}",
-            hint="free space there or choose another destination",
+            os.path.dirname(os.path.abspath(dst)), estimated_archive_bytes(source, recipe, format, shard_size),
+            f"write {dst}", hint="free space there or choose another destination",
         )
         with _signals_interrupt():
             written, failed, parts = _run(source, dst, format, recipe, workers, shard_size, overwrite, on_error, quiet)
@@ -198,6 +226,59 @@ def convert(
         seconds=time.perf_counter() - started,
         layout=f"raw {h}x{w}x3" if recipe.mode == "raw" else f"encoded {_encoding_label(recipe)}",
         parts=parts,
+    )
+
+
+def _check_part_options(dst: str, shard_size: Optional[int], overwrite: bool) -> None:
+    if not shard_size:
+        raise ValueError("--part needs --shard-size: the size of the parts decides how the source is split")
+    if overwrite:
+        raise ValueError("--part cannot --overwrite (other tasks write the same set): remove the set's parts "
+                         "and index first")
+    from .parts import read_plan
+
+    if os.path.lexists(dst) and read_plan(dst) is None:
+        raise ArchiveExistsError(dst, "already exists and is not a set written with --part",
+                                 hint="choose another destination, or remove it first")
+
+
+def _convert_part(source: Source, shown: str, dst: str, format: str, recipe: Recipe, part, shard_size: int,
+                  workers: int, on_error: str, quiet: bool, started: float) -> ConvertSummary:
+    """Write one task's parts of a sharded set (see ``packed_formats.parts``), then join the set if it is
+    complete."""
+    from . import parts
+
+    task, tasks = part
+    tasks = parts.resolve_tasks(task, tasks, parts.read_plan(dst))
+    plan = parts.ensure_plan(dst, parts.make_plan(source, format, recipe, on_error, shard_size, tasks))
+    slots = parts.task_slots(task, tasks, plan["slots"])
+    check_free_space(
+        os.path.dirname(os.path.abspath(dst)),
+        estimated_archive_bytes(source, recipe, format, shard_size) * len(slots) // plan["slots"],
+        f"write {dst}", hint="free space there or choose another destination",
+    )
+
+    def write(view: Source, path: str) -> Tuple[int, List[str]]:
+        written, failed, _ = _run(view, path, format, recipe, workers, None, True, on_error, quiet)
+        return written, failed
+
+    try:
+        written, failed, done, kept = parts.write_slots(source, dst, plan, task, tasks, write)
+    except OSError as exc:
+        raise _write_error(dst, exc) from None
+    joined = parts.join(dst, require_all=False)
+    which = f"part(s) {slots.start}-{slots.stop - 1}" if len(slots) else "no parts"
+    note = f"task {task} of {tasks}: {which} of {plan['slots']}"
+    if kept:
+        note += f", {len(kept)} already sealed and left as they were"
+    note += "; every part sealed: the set is joined" if joined else "; the set is joined once every part is sealed"
+    h, w = recipe.size or (0, 0)
+    return ConvertSummary(
+        source=shown, destination=dst, format=format, mode=recipe.mode, samples=written,
+        classes=len(source.classes), skipped=source.skipped, failed=failed,
+        bytes=sum(disk_usage(p) for p in done), seconds=time.perf_counter() - started,
+        layout=f"raw {h}x{w}x3" if recipe.mode == "raw" else f"encoded {_encoding_label(recipe)}",
+        parts=done, note=note,
     )
 
 
@@ -383,6 +464,24 @@ def estimated_output_bytes(source: Source, recipe: Recipe) -> int:
     else:
         return _source_bytes(source)
     return len(source) * h * w * 3 // _REENCODED_RATIO
+
+
+def estimated_archive_bytes(source: Source, recipe: Recipe, fmt: str, shard_size: Optional[int] = None) -> int:
+    """The disk space a conversion of ``source`` into format ``fmt`` checks for: the samples' bytes
+    (``estimated_output_bytes``) with what the format adds to them (``space.archive_bytes``)."""
+    n = len(source)
+    picks = range(n) if n <= _SIZED_FILES else np.linspace(0, n - 1, _SIZED_FILES).astype(np.int64).tolist()
+    key_bytes = max((len(source.key(i).encode("utf-8", "surrogateescape")) for i in picks), default=0)
+    sample_bytes = None
+    if recipe.mode == "raw":
+        h, w = _raw_size(recipe)
+        sample_bytes = h * w * 3
+    return archive_bytes(
+        fmt, recipe.mode, n, estimated_output_bytes(source, recipe), sample_bytes=sample_bytes,
+        key_bytes=2 * key_bytes + 8,  # keys are stored at the longest one's width: the picks may miss it
+        class_bytes=sum(len(c.encode()) + 8 for c in source.classes),
+        parts=1 if not shard_size else -(-n // int(shard_size)),
+    )
 
 
 def _source_bytes(source: Source) -> int:

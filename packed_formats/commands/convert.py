@@ -12,6 +12,7 @@ from .. import codecs
 from ..backends import PACKED_FORMATS
 from ..convert import ON_ERROR, ConversionInterrupted, ConvertSummary, convert
 from ..manifest import MODES
+from ..parts import parse_part
 from ..policy import RESIZE_MODES
 from ..prepare import parse_size
 from ..sources import source_formats
@@ -29,6 +30,9 @@ EXAMPLES = """examples:
   packed-formats convert ILSVRC2012_img_train.tar train.lmdb --mode raw --size 64   # a tar of per-class tars
   packed-formats convert 'shards-{000..009}.tar' train.zip --label-key cls    # webdataset shards
   packed-formats convert data.h5 train.memmap --mode raw --image-key images --label-key labels
+  packed-formats convert images/ train.zip --shard-size 50000 --part 3/50   # task 3 of 50: its parts only
+  packed-formats convert images/ train.zip --shard-size 50000 --part auto   # in a Slurm array job (--array=0-49)
+  packed-formats join train.zip                                             # the index, once every part is sealed
 
 sources (found from the content; --source-format names one): root/<class>/<image> (classes = sorted
 folder names); a flat folder with --labels FILE (one integer per line in sorted file order, or CSV
@@ -52,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--labels", metavar="FILE", help="label file for a flat folder of images")
     parser.add_argument("--workers", type=_positive, help="worker processes (default: available cores)")
     parser.add_argument("--shard-size", type=_positive, metavar="N", help="split into parts of N samples plus an index")
+    parser.add_argument("--part", type=_part, metavar="I/N|auto",
+                        help="write only task I's parts of N tasks of a --shard-size set (auto: from the Slurm "
+                        "array task); the last task to finish writes the index (or: packed-formats join DST)")
     parser.add_argument("--on-error", choices=ON_ERROR, default="raise", help="on an unreadable image (default raise)")
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
@@ -123,8 +130,16 @@ def _convert(args: argparse.Namespace) -> ConvertSummary:
         overwrite=args.overwrite,
         on_error=args.on_error,
         quiet=args.quiet,
+        part=args.part,
         **source_options(args),
     )
+
+
+def _part(text: str):
+    try:
+        return parse_part(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _size(text: str):

@@ -1,8 +1,9 @@
 """A tiny image classifier trained from a packed archive with pf.make_loader.
 
-Runs anywhere: on the CPU, on one GPU, or on many under torchrun / srun (one
-process per GPU; torch.distributed is set up from the usual environment
-variables and make_loader splits the samples over the ranks).
+Runs anywhere: on the CPU, on one GPU, or on many under torchrun or srun (one
+process per GPU; torch.distributed is set up from torchrun's variables, or from
+Slurm's SLURM_PROCID / SLURM_LOCALID under srun, and make_loader splits the
+samples over the ranks).
 
     python tools/slurm/train_example.py train.zip --epochs 2
     torchrun --nproc-per-node 4 tools/slurm/train_example.py /tmp/train.zip --stage-to $TMPDIR
@@ -12,9 +13,10 @@ and verifies the archive, the others wait and then read the same local copy.
 
 With --checkpoint FILE, a run starts from FILE when it exists and continues the
 interrupted epoch exactly where it stopped (the loader's state_dict).  FILE is
-written at the end of every epoch and when a stop is asked for: SIGUSR1 (what
-Slurm sends ahead of the time limit with ``#SBATCH --signal=B:USR1@120``,
-passed on by the batch script) or --stop-file appearing.  Then every rank stops
+written at the end of every epoch and when a stop is asked for: SIGUSR1, or
+--stop-file appearing (the batch scripts create it when Slurm sends them
+SIGUSR1 ahead of the time limit, ``#SBATCH --signal=B:USR1@120``).  The model's
+initial weights are seeded, so a resumed run equals an uninterrupted one.  Then every rank stops
 at the same step, rank 0 saves model, optimizer and loader state (to a temporary
 file, then os.replace: a crash leaves the old checkpoint or the new one, never
 half of one), requeues the job under Slurm (``scontrol requeue``) and all exit.
@@ -48,6 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=None, help="DataLoader workers (default: as doctor suggests)")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--max-batches", type=int, default=None, help="stop each epoch early (smoke tests)")
+    parser.add_argument("--pace", type=float, default=0.0, metavar="SECONDS", help="wait this long after each step "
+                        "(demonstrations and tests: stretches a tiny run past the time limit's signal)")
     parser.add_argument("--checkpoint", metavar="FILE", help="resume from FILE if it exists; save to it at the "
                         "end of each epoch, and on SIGUSR1 or --stop-file (then requeue under Slurm and exit)")
     parser.add_argument("--stop-file", metavar="FILE", help="stop as on SIGUSR1 when FILE appears (a batch script "
@@ -113,8 +117,23 @@ def requeue() -> None:
           flush=True)
 
 
+def ranks_from_srun() -> None:
+    """Under ``srun`` (one task per process, no torchrun), set the variables torch.distributed reads from
+    Slurm's: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE (MASTER_ADDR and MASTER_PORT come from the
+    batch script).  Variables a launcher already set are kept."""
+    if "WORLD_SIZE" in os.environ or "SLURM_STEP_NUM_TASKS" not in os.environ:
+        return  # torchrun's, or not a task of an srun step (the batch script itself)
+    per_node = os.environ.get("SLURM_STEP_TASKS_PER_NODE", "1")  # e.g. "4", "4(x2)" or "4,3"
+    os.environ.update(
+        RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_STEP_NUM_TASKS"],
+        LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"),
+        LOCAL_WORLD_SIZE=os.environ.get("LOCAL_WORLD_SIZE", per_node.split("(")[0].split(",")[0]),
+    )
+
+
 def setup_distributed() -> torch.device:
-    """Join the process group when launched by torchrun/srun with WORLD_SIZE > 1; pick the device."""
+    """Join the process group when launched by torchrun or srun with WORLD_SIZE > 1; pick the device."""
+    ranks_from_srun()
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
@@ -163,6 +182,7 @@ def train(argv=None) -> float:
     loader = make_train_loader(path, args, device)
     if len(loader) == 0:
         raise SystemExit(f"{path}: too few samples for one batch of {args.batch_size} per process")
+    torch.manual_seed(0)  # the same initial weights in every run: a resumed run equals an uninterrupted one
     model = tiny_cnn(len(loader.classes)).to(device, memory_format=torch.channels_last)
     if dist.is_initialized():
         ids = [device.index] if device.type == "cuda" else None
@@ -187,11 +207,14 @@ def train(argv=None) -> float:
             optimizer.step()
             totals = {"loss": totals["loss"] + loss.item(), "batches": totals["batches"] + 1}
             images += len(y)
+            time.sleep(args.pace)
             if stop.anywhere(device):
                 checkpoint_and_exit(args, rank, model, optimizer, loader, totals)
             if args.max_batches and totals["batches"] >= args.max_batches:
                 break
         mean_loss = totals["loss"] / max(1, totals["batches"])
+        if dist.is_initialized():  # each rank's share of the epoch (across a resume too)
+            print(f"rank {rank} of {dist.get_world_size()}: epoch {epoch}: {totals['batches']} batches", flush=True)
         totals = {"loss": 0.0, "batches": 0}
         if rank == 0:
             rate = images / (time.perf_counter() - started)

@@ -1,0 +1,231 @@
+"""The shipped batch scripts, unmodified, under a real one-node Slurm (tools/slurm/local_cluster.sh).
+
+Limits are overridden on the sbatch command line only, as a user on a CPU node would: no GPUs,
+little memory, a short time limit.  Skipped, saying why, where the cluster cannot start (not
+root, or the packages munge, slurmctld, slurmd and slurm-client are not installed).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "tools", "slurm")
+CLUSTER = os.path.join(EXAMPLES, "local_cluster.sh")
+# a small run: 24 samples in batches of 4, 6 steps an epoch, 2 epochs; --pace makes it outlast the signal
+TRAIN = ["--epochs", "2", "--batch-size", "4", "--size", "16", "--workers", "0"]
+CPU_NODE = ["--gpus=0", "--mem=1G", "--cpus-per-task=1"]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory):
+    """The environment for sbatch & co. with a one-node Slurm running; stopped at the end of the session."""
+    if os.geteuid() != 0:
+        pytest.skip("a local Slurm needs root (slurmd starts jobs as their users)")
+    missing = [p for p in ("munged", "slurmctld", "slurmd", "sbatch", "scontrol") if shutil.which(p) is None]
+    if missing:
+        pytest.skip(f"Slurm is not installed ({', '.join(missing)} missing): apt-get install munge slurmctld "
+                    "slurmd slurm-client, as .ci/run does")
+    state = tmp_path_factory.mktemp("slurm")
+    env = {**os.environ, "PF_SLURM_DIR": str(state), "PF_SLURMCTLD_PORT": "16917", "PF_SLURMD_PORT": "16918"}
+    started = subprocess.run(["bash", CLUSTER, "start"], capture_output=True, text=True, env=env, timeout=120)
+    if started.returncode != 0:
+        pytest.fail(f"local_cluster.sh start failed: {started.stderr}")
+    env.update(
+        SLURM_CONF=str(state / "slurm.conf"),
+        PATH=f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}",  # python, packed-formats
+        CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
+    )
+    try:
+        yield env
+    finally:
+        subprocess.run(["bash", CLUSTER, "stop"], capture_output=True, env=env, timeout=120)
+
+
+def sbatch(env, *arguments) -> str:
+    done = subprocess.run(["sbatch", "--parsable", *arguments], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().split(";")[0]
+
+
+def job(env, job_id: str) -> dict:
+    """``scontrol show job``'s fields (JobState, Restarts, ExitCode, Reason...)."""
+    shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, env=env)
+    assert shown.returncode == 0, shown.stderr
+    return dict(re.findall(r"(\w+)=(\S*)", shown.stdout))
+
+
+def wait_for(env, job_id: str, done, what: str, timeout: float = 240) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        fields = job(env, job_id)
+        if done(fields):
+            return fields
+        assert not finished(fields), f"job {job_id} ended before it could {what}: {fields}"
+        time.sleep(1)
+    raise AssertionError(f"job {job_id} did not {what} within {timeout:.0f} s: {fields}")
+
+
+def finished(fields: dict) -> bool:
+    return fields["JobState"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+
+
+def run_again_now(env, job_id: str) -> None:
+    """A requeued job waits for its begin time (two minutes later): start it now, with more time, so that
+    the signal does not come again before it ends."""
+    wait_for(env, job_id, lambda f: f["JobState"] == "PENDING" and int(f["Restarts"]) >= 1, "requeue itself")
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now", "TimeLimit=10"], check=True, env=env)
+
+
+def reference_run(archive: str, tmp_path) -> dict:
+    """An uninterrupted run of the same training: its final checkpoint."""
+    checkpoint = tmp_path / "reference.pt"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    env = {k: v for k, v in env.items() if not k.startswith("SLURM_")}
+    done = subprocess.run([sys.executable, os.path.join(EXAMPLES, "train_example.py"), archive,
+                           "--checkpoint", str(checkpoint), *TRAIN], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    return {"losses": losses(done.stdout), "state": torch.load(checkpoint, weights_only=True)}
+
+
+def losses(text: str) -> list:
+    return re.findall(r"epoch (\d+): loss ([0-9.]+)", text)
+
+
+def assert_same_model(checkpoint, reference: dict) -> None:
+    state = torch.load(checkpoint, weights_only=True)
+    assert state["loader"]["epoch"] == reference["state"]["loader"]["epoch"] == 2
+    for name, value in reference["state"]["model"].items():
+        assert torch.equal(state["model"][name], value), name
+
+
+def test_single_node_job_checkpoints_on_the_signal_requeues_itself_and_resumes_exactly(slurm, archives, tmp_path):
+    archive = archives[("zip", "raw")]
+    checkpoint, log = tmp_path / "checkpoint.pt", tmp_path / "job.out"
+    env = {**slurm, "CHECKPOINT": str(checkpoint), "TMPDIR": str(tmp_path)}
+    job_id = sbatch(env, *CPU_NODE, "--time=1", "--signal=B:USR1@50", f"--output={log}",
+                    os.path.join(EXAMPLES, "train_single_gpu.sbatch"), archive, *TRAIN, "--pace", "2.5")
+    run_again_now(env, job_id)
+    fields = wait_for(env, job_id, finished, "end")
+    out = log.read_text()
+    assert (fields["JobState"], fields["Restarts"], fields["ExitCode"]) == ("COMPLETED", "1", "0:0"), out
+    saved = re.search(r"saved \S+: epoch (\d+), (\d+) batches done", out)
+    assert saved and 0 < int(saved.group(2)) and f"requeued Slurm job {job_id}" in out, out
+    epoch, batches = saved.groups()
+    assert int(batches) % 6 != 0, "stopped between epochs: the signal should come mid-epoch"
+    assert f"resumed from {checkpoint}: epoch {epoch}, {batches} batches done" in out, out
+    reference = reference_run(archive, tmp_path)
+    assert losses(out) == reference["losses"]  # each epoch once, across the restart, with the same losses
+    assert_same_model(checkpoint, reference)
+
+
+def test_a_job_killed_after_a_checkpoint_and_submitted_again_resumes(slurm, archives, tmp_path):
+    archive = archives[("zip", "raw")]
+    checkpoint, log = tmp_path / "checkpoint.pt", tmp_path / "job.out"
+    env = {**slurm, "CHECKPOINT": str(checkpoint), "TMPDIR": str(tmp_path)}
+    script = os.path.join(EXAMPLES, "train_single_gpu.sbatch")
+    first = sbatch(env, *CPU_NODE, "--time=5", f"--output={log}", script, archive, *TRAIN, "--pace", "1")
+    deadline = time.monotonic() + 180
+    while "epoch 0: loss" not in (log.read_text() if log.exists() else ""):  # the end of epoch 0's checkpoint
+        assert time.monotonic() < deadline and not finished(job(env, first)), log.read_text()
+        time.sleep(0.5)
+    subprocess.run(["scancel", "--signal=KILL", "--full", first], check=True, env=env)
+    assert wait_for(env, first, finished, "end")["JobState"] in ("CANCELLED", "FAILED")
+    second = sbatch(env, *CPU_NODE, "--time=5", f"--output={log}", script, archive, *TRAIN)
+    fields = wait_for(env, second, finished, "end")
+    out = log.read_text()
+    assert fields["JobState"] == "COMPLETED", out
+    assert re.search(rf"resumed from {re.escape(str(checkpoint))}: epoch 1, \d+ batches done", out), out
+    reference = reference_run(archive, tmp_path)
+    assert losses(out)[-1] == reference["losses"][-1]
+    assert_same_model(checkpoint, reference)
+
+
+def reference_two_ranks(archive: str, tmp_path) -> dict:
+    """An uninterrupted two-process run (torchrun, gloo): its final checkpoint."""
+    checkpoint = tmp_path / "reference.pt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           "29731", os.path.join(EXAMPLES, "train_example.py"), archive, "--checkpoint",
+                           str(checkpoint), *TRAIN], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return {"losses": losses(done.stdout), "state": torch.load(checkpoint, weights_only=True)}
+
+
+def test_two_ranks_started_by_srun_stop_together_requeue_and_resume_exactly(slurm, archives, tmp_path):
+    archive = archives[("zip", "raw")]
+    checkpoint, log = tmp_path / "checkpoint.pt", tmp_path / "job.out"
+    env = {**slurm, "CHECKPOINT": str(checkpoint), "STOP_FILE": str(tmp_path / "stop"), "TMPDIR": str(tmp_path)}
+    job_id = sbatch(env, "--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1", "--mem=2G",
+                    "--time=1", "--signal=B:USR1@50", f"--output={log}",
+                    os.path.join(EXAMPLES, "train_multi_gpu.sbatch"), archive, *TRAIN, "--pace", "2.5")
+    run_again_now(env, job_id)
+    fields = wait_for(env, job_id, finished, "end")
+    out = log.read_text()
+    assert (fields["JobState"], fields["Restarts"], fields["ExitCode"]) == ("COMPLETED", "1", "0:0"), out
+    saved = re.search(r"saved \S+: epoch (\d+), (\d+) batches done", out)
+    assert saved and f"requeued Slurm job {job_id}" in out, out
+    assert "resumed from {}: epoch {}, {} batches done".format(checkpoint, *saved.groups()) in out, out
+    # each rank read its half of every epoch (24 samples, 2 ranks, batches of 4), across the restart
+    for rank in (0, 1):
+        assert re.findall(rf"rank {rank} of 2: epoch (\d+): (\d+) batches", out) == [("0", "3"), ("1", "3")], out
+    reference = reference_two_ranks(archive, tmp_path)
+    assert losses(out) == reference["losses"]
+    assert_same_model(checkpoint, reference)
+
+
+def wait_for_array(env, array_id: str, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while subprocess.run(["squeue", "-h", "-j", array_id], capture_output=True, text=True, env=env).stdout.strip():
+        assert time.monotonic() < deadline, f"array {array_id} did not end within {timeout:.0f} s"
+        time.sleep(1)
+
+
+def test_conversion_as_an_array_of_four_with_one_task_cancelled_and_submitted_again(slurm, image_folder, tmp_path):
+    from packed_formats import parts
+    from packed_formats.convert import convert
+    from packed_formats.errors import IncompleteArchiveError
+
+    (tmp_path / "set").mkdir()
+    (tmp_path / "one").mkdir()
+    dst, one = tmp_path / "set" / "train.zip", tmp_path / "one" / "train.zip"
+    options = ["--mode", "raw", "--size", "16", "--shard-size", "3", "--workers", "1", "--quiet"]  # 8 parts
+    script = os.path.join(EXAMPLES, "convert_array.sbatch")
+    limits = ["--cpus-per-task=1", "--mem=1G", "--time=5", f"--output={tmp_path}/%x-%A_%a.out"]
+    array = sbatch(slurm, *limits, "--array=0-3", script, image_folder, str(dst), *options)
+    subprocess.run(["scancel", f"{array}_3"], check=True, env=slurm)  # pending: 2 CPUs run two tasks at a time
+    wait_for_array(slurm, array)
+    assert all(job(slurm, f"{array}_{t}")["JobState"] == "COMPLETED" for t in range(3))
+    assert not dst.exists()
+    with pytest.raises(IncompleteArchiveError, match=r"train-00006\.zip is missing: re-run task 3 of 4"):
+        parts.join(str(dst))
+
+    again = sbatch(slurm, *limits, "--array=3", script, image_folder, str(dst), *options)  # the cancelled task alone
+    wait_for_array(slurm, again)
+    assert job(slurm, f"{again}_3")["JobState"] == "COMPLETED"
+    assert dst.exists()  # it was the last: it joined the set
+
+    convert(image_folder, str(one), mode="raw", size=16, shard_size=3, workers=1, quiet=True)
+    names = sorted(os.listdir(one.parent))
+    assert sorted(f for f in os.listdir(dst.parent) if not f.startswith(".")) == names
+    for name in names:
+        assert (one.parent / name).read_bytes() == (dst.parent / name).read_bytes(), name
+
+    before = {name: os.stat(dst.parent / name).st_mtime_ns for name in names}
+    rerun = sbatch(slurm, *limits, "--array=1", script, image_folder, str(dst), *options)  # a finished task
+    wait_for_array(slurm, rerun)
+    assert job(slurm, f"{rerun}_1")["JobState"] == "COMPLETED"
+    assert {name: os.stat(dst.parent / name).st_mtime_ns for name in names} == before
