@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import h5py
@@ -61,6 +62,11 @@ _AGREE_ROWS = 16  # index entries compared, at each end, between a mapped index 
 CONVERT_HINT = "convert it into one first: `packed-formats convert SRC DST`"
 
 
+# HDF5 runs one call at a time in a process anyway (h5py's global lock): ours costs nothing, and keeps
+# threads reading one file at once safe with h5py before 3.15, whose chunk reads corrupt the heap then
+_H5_CALLS = threading.RLock()
+
+
 class HDF5Handle(Handle):
     """An open file and its sample dataset (looked up once, not per read), and the size the
     file must keep: the index arrays are mapped from it."""
@@ -70,16 +76,19 @@ class HDF5Handle(Handle):
         plist = data.id.get_create_plist()
         self.whole_chunks = data.ndim == 4 and data.chunks == (1,) + data.shape[1:] and plist.get_nfilters() == 0
         self.rows: "Optional[mapped.MappedRows | bool]" = None  # False: not mappable
+        # HDF5's descriptor of the file, asked once: it lives as long as the file is open, and h5py before
+        # 3.15 corrupts its heap when threads ask for it at once
+        fd = file.id.get_vfd_handle()
+        self.fd: Optional[int] = fd if isinstance(fd, int) else None
 
     def check_size(self) -> None:
         """FileTruncatedError when the file became shorter than when it was opened: its mapped
         index (and images) may lie in what was cut off, and touching that is SIGBUS."""
-        mapped.check_file_size(self.file.id.get_vfd_handle(), self.needed)
+        mapped.check_file_size(self.fd if self.fd is not None else self.file.id.get_vfd_handle(), self.needed)
 
     def fileno(self) -> Optional[int]:
         """HDF5's descriptor of the file: ``Reader`` checks the file through it before each read or batch."""
-        fd = self.file.id.get_vfd_handle()
-        return fd if isinstance(fd, int) else None
+        return self.fd
 
     def mapped_rows(
         self, path: str, identity: Optional[Identity], positions: Optional[np.ndarray]
@@ -88,7 +97,9 @@ class HDF5Handle(Handle):
         unfiltered chunk at a known address (the index's ``positions``, else listed by
         HDF5 >= h5py 3.8), else None."""
         if self.rows is None:
-            self.rows = _map_chunks(path, identity, self.data, positions) or False
+            with _H5_CALLS:
+                if self.rows is None:
+                    self.rows = _map_chunks(path, identity, self.data, positions) or False
         return self.rows if isinstance(self.rows, mapped.MappedRows) else None
 
     def close(self) -> None:
@@ -268,12 +279,13 @@ class HDF5Backend(Backend[HDF5Handle]):
 
     def read(self, handle: HDF5Handle, i: int) -> "np.ndarray | bytes":
         handle.check_size()
-        if self.manifest.mode != "raw":
-            start, stop = int(self.offsets[i]), int(self.offsets[i + 1])
-            return self._h5_call(i, handle.data.__getitem__, slice(start, stop))
-        if handle.whole_chunks:
-            return self._h5_call(i, handle.data.id.read_direct_chunk, _chunk_of(i, handle.data.ndim))[1]
-        return self._h5_call(i, handle.data.__getitem__, i).reshape(-1)
+        with _H5_CALLS:
+            if self.manifest.mode != "raw":
+                start, stop = int(self.offsets[i]), int(self.offsets[i + 1])
+                return self._h5_call(i, handle.data.__getitem__, slice(start, stop))
+            if handle.whole_chunks:
+                return self._h5_call(i, handle.data.id.read_direct_chunk, _chunk_of(i, handle.data.ndim))[1]
+            return self._h5_call(i, handle.data.__getitem__, i).reshape(-1)
 
     def read_batch(self, handle: HDF5Handle, idx: np.ndarray, out: np.ndarray) -> None:
         handle.check_size()
@@ -282,14 +294,15 @@ class HDF5Backend(Backend[HDF5Handle]):
         if rows is not None:  # ~2.5x faster than the chunk reads below once the pages are mapped
             rows.gather(idx, out)
             return
-        if not whole:
+        with _H5_CALLS:
+            if not whole:
+                for j, i in enumerate(idx):
+                    self._h5_call(int(i), handle.data.read_direct, out, np.s_[int(i)], np.s_[j])
+                return
+            # One unfiltered chunk per image (our layout): copy each chunk's bytes straight
+            # into the batch, skipping HDF5's selection machinery (about 3x faster).
             for j, i in enumerate(idx):
-                self._h5_call(int(i), handle.data.read_direct, out, np.s_[int(i)], np.s_[j])
-            return
-        # One unfiltered chunk per image (our layout): copy each chunk's bytes straight
-        # into the batch, skipping HDF5's selection machinery (about 3x faster).
-        for j, i in enumerate(idx):
-            self._h5_call(int(i), _read_chunk_into, handle.data.id, _chunk_of(int(i), out.ndim), out[j].reshape(-1))
+                self._h5_call(int(i), _read_chunk_into, handle.data.id, _chunk_of(int(i), out.ndim), out[j].reshape(-1))
 
     def sample_location(self, i: int) -> Optional[Tuple[str, int]]:
         if self.manifest.mode == "raw" and self.index.positions is not None:
@@ -305,7 +318,8 @@ class HDF5Backend(Backend[HDF5Handle]):
 
     def _h5_call(self, i: int, function: Callable[..., Any], *args: Any) -> Any:
         try:
-            return function(*args)
+            with _H5_CALLS:
+                return function(*args)
         except OSError as exc:
             raise self.corrupt(f"HDF5 read failed: {exc}", i) from None
 
