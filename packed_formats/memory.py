@@ -27,6 +27,7 @@ import math
 import os
 import sys
 import uuid
+import warnings
 import weakref
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, TypeVar, Union, cast
@@ -171,8 +172,9 @@ def output_buffer(
 
 # ---- shared buffers a worker reuses ----------------------------------------------------------------
 def storage_lifetime_is_tracked() -> bool:
-    """Whether a finalizer on a tensor's storage object waits for the tensor (torch keeps one
-    Python object per storage).  Pooling relies on it and is off where it does not hold."""
+    """Whether a finalizer on a tensor's storage object waits for the tensor and no longer (torch
+    keeps one Python object per storage), for a storage made here and for one received from
+    another process.  Pooling relies on it and is off where it does not hold."""
     global _LIFETIME_TRACKED
     if _LIFETIME_TRACKED is None:
         tensor = torch.empty(4)
@@ -182,11 +184,69 @@ def storage_lifetime_is_tracked() -> bool:
         del tensor
         alive_while_viewed = not fired
         del view
-        _LIFETIME_TRACKED = alive_while_viewed and bool(fired)
+        _LIFETIME_TRACKED = alive_while_viewed and bool(fired) and _received_storage_is_tracked()
     return _LIFETIME_TRACKED
 
 
+class _Descriptor:
+    """A file descriptor as torch's receiving side of a shared storage takes it (``detach()``)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def detach(self) -> int:
+        return os.dup(self.fd)
+
+
+def _received_storage_is_tracked() -> bool:
+    """Whether a shared storage received as the main process receives a worker's batch lets its
+    Python object go with its last tensor.  Some torch releases (2.8, for one) keep that object
+    while torch's cache of received storages holds a weak reference to it, so a pooled slot
+    would never be given back.  Checked within this process, through the current sharing
+    strategy's own receiving code, without pickling (which would start a thread here)."""
+    from torch.multiprocessing import get_sharing_strategy, reductions
+
+    cache = reductions.shared_cache
+    known = set(cache.keys())
+    sent = shared_storage(8)
+    try:
+        if get_sharing_strategy() == "file_descriptor":
+            fd, size = sent._share_fd_cpu_()
+            received = reductions.rebuild_storage_fd(type(sent), _Descriptor(fd), size)
+        else:
+            rebuild, arguments = reductions.reduce_storage(sent)
+            for key in set(cache.keys()) - known:  # as another process would: map it anew
+                cache.pop(key, None)
+            received = rebuild(*arguments)
+        tensor = torch.empty(0, dtype=torch.uint8).set_(received)
+        del received
+        fired: List[bool] = []
+        weakref.finalize(tensor.untyped_storage(), fired.append, True)
+        alive_while_used = not fired
+        del tensor
+        return alive_while_used and bool(fired)
+    finally:
+        for key in set(cache.keys()) - known:
+            cache.pop(key, None)
+
+
+def _warn_pooling_off() -> None:
+    """Say once per process that this torch turns batch slot pooling off."""
+    global _WARNED_OFF
+    if not _WARNED_OFF:
+        _WARNED_OFF = True
+        warnings.warn(PoolingOffWarning(
+            f"packed_formats: torch {torch.__version__} keeps a received batch's shared memory referenced after "
+            "its last tensor is gone, so DataLoader workers do not reuse batch slots here: each batch gets fresh "
+            "shared memory (correct, a little slower)"), stacklevel=3)
+
+
+class PoolingOffWarning(RuntimeWarning):
+    """This torch does not let the main process give batch slots back, so ``SlotPool`` is off."""
+
+
 _LIFETIME_TRACKED: Optional[bool] = None
+_WARNED_OFF = False
 # token -> states of the pools created in this process (the main process's side)
 _POOLS: Dict[str, torch.Tensor] = {}
 
@@ -255,6 +315,8 @@ class SlotPool:
         self.token, self.min_bytes = uuid.uuid4().hex, min_bytes
         self.states = torch.zeros((max(1, workers), slots), dtype=torch.uint8).share_memory_()
         self.enabled = storage_lifetime_is_tracked()
+        if not self.enabled:
+            _warn_pooling_off()
         # this process's buffers: made on first use, never inherited through fork nor pickled
         self._buffers = ProcessLocal(functools.partial(_Buffers, slots))
         _POOLS[self.token] = self.states

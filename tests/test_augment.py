@@ -139,6 +139,7 @@ def test_random_erasing_random_value_refuses_uint8_batches():
 # ---- TrivialAugmentWide and RandAugment: each op equals torchvision's -------------------------------
 def torchvision_op(name, image, magnitude, interpolation, fill):
     """The torchvision functional op that torchvision's auto-augment transforms apply for ``name``."""
+    interpolation = v2.InterpolationMode(interpolation)  # torchvision before 0.24 takes no string here
     degrees = math.degrees(math.atan(magnitude))
     white = 1.0 if image.is_floating_point() else 255.0
     ops = {

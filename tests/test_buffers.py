@@ -6,6 +6,7 @@ import gc
 import multiprocessing
 import subprocess
 import sys
+from multiprocessing import resource_sharer
 from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
@@ -20,6 +21,8 @@ from packed_formats.memory import FREE, SENT, SlotPool
 
 from .conftest import digest, sample_lookup
 
+# where this torch keeps received storages alive, the pool is off (test_compat checks that it says so)
+POOLING = pytest.mark.skipif(not memory.storage_lifetime_is_tracked(), reason="batch slot pooling is off on this torch")
 START_METHODS = [m for m in ("fork", "spawn", "forkserver") if m in multiprocessing.get_all_start_methods()]
 # spawn and forkserver start a fresh interpreter per worker: the quick tier keeps fork only
 START_METHOD_PARAMS = [pytest.param(m, marks=pytest.mark.slow) if m != "fork" else m for m in START_METHODS]
@@ -41,11 +44,16 @@ def round_trip(obj):
 
     torch's cache of shared storages is cleared in between, so that, as in
     another process, the receiver maps the memory anew instead of finding the
-    sender's storage object.
+    sender's storage object.  Sending a file descriptor starts multiprocessing's
+    resource sharer thread, which a worker has but the main process must not:
+    it is stopped once the descriptor is received, so that no later fork finds it.
     """
     data = bytes(ForkingPickler.dumps(obj))
     reductions.shared_cache.clear()
-    return ForkingPickler.loads(data)
+    try:
+        return ForkingPickler.loads(data)
+    finally:
+        resource_sharer.stop()
 
 
 def test_empty_is_a_writable_tensor_of_the_asked_layout():
@@ -56,6 +64,7 @@ def test_empty_is_a_writable_tensor_of_the_asked_layout():
     assert float(t.sum()) == 2.5 * t.numel()
 
 
+@POOLING
 def test_storage_lifetime_is_tracked_on_this_torch():
     # the pool's safety rests on this; if torch changes it, pooling turns itself off
     assert memory.storage_lifetime_is_tracked()
@@ -65,12 +74,14 @@ def test_take_outside_a_worker_gives_nothing():
     assert SlotPool(2, min_bytes=0).take((8, 8)) is None
 
 
+@POOLING
 def test_small_batches_are_not_pooled(as_worker):
     pool = SlotPool(1, min_bytes=1 << 20)
     assert pool.take((100, 100)) is None
     assert pool.take((1024, 1024)) is not None
 
 
+@POOLING
 def test_a_slot_is_reused_only_after_the_receiver_drops_the_batch(as_worker):
     pool = SlotPool(1, slots=2, min_bytes=0)
     first = pool.take((16, 16))
@@ -96,6 +107,7 @@ def test_a_slot_is_reused_only_after_the_receiver_drops_the_batch(as_worker):
     assert torch.all(kept_view == 2)
 
 
+@POOLING
 def test_a_batch_outside_the_pool_is_sent_as_a_copy_in_a_slot(as_worker):
     pool = SlotPool(1, slots=1, min_bytes=0)
     batch = torch.arange(2 * 3 * 4 * 5, dtype=torch.float32).view(2, 4, 5, 3).permute(0, 3, 1, 2)  # channels last
@@ -106,6 +118,7 @@ def test_a_batch_outside_the_pool_is_sent_as_a_copy_in_a_slot(as_worker):
     assert round_trip(pool.send(batch.clone())).untyped_storage().data_ptr() != received.untyped_storage().data_ptr()
 
 
+@POOLING
 def test_slots_taken_within_one_batch_are_distinct_and_unsent_ones_are_never_reused(as_worker):
     pool = SlotPool(1, slots=3, min_bytes=0)
     a, b = pool.take((8, 8)), pool.take((8, 8))
@@ -119,6 +132,7 @@ def test_slots_taken_within_one_batch_are_distinct_and_unsent_ones_are_never_reu
 
 
 @pytest.mark.parametrize("transform", [T.Normalize(), T.ToFloat()], ids=["normalize", "to_float"])
+@POOLING
 def test_float_results_are_born_in_a_slot_and_sent_without_a_copy(as_worker, transform):
     pool = SlotPool(1, slots=2, min_bytes=0)
     batch = torch.randint(0, 256, (2, 5, 6, 3), dtype=torch.uint8).permute(0, 3, 1, 2)
@@ -130,6 +144,7 @@ def test_float_results_are_born_in_a_slot_and_sent_without_a_copy(as_worker, tra
     assert torch.equal(round_trip(sent), expected)
 
 
+@POOLING
 def test_a_too_small_free_slot_is_replaced(as_worker):
     pool = SlotPool(1, slots=1, min_bytes=0)
     small = pool.take((8, 8))
@@ -145,12 +160,14 @@ def pooled_loader(path, **options):
     return loader
 
 
+@POOLING
 def test_kept_batches_stay_intact_while_workers_reuse_slots(uniform):
     check_kept_batches(uniform, "fork" if "fork" in START_METHODS else None)
 
 
 @pytest.mark.parametrize("start_method", START_METHOD_PARAMS)
 @pytest.mark.parametrize("kind", [("memmap", "raw"), ("zip", "encoded")], ids="-".join)
+@POOLING
 def test_kept_batches_stay_intact_under_every_start_method(uniform_archives, kind, start_method):
     check_kept_batches(uniform_archives[kind], start_method)
 
@@ -203,6 +220,7 @@ def test_leaving_epochs_early_leaves_no_slot_held(uniform, persistent):
 
 
 @pytest.mark.slow
+@POOLING
 def test_pooling_works_under_the_file_system_sharing_strategy(uniform_archives, tmp_path):
     # HPC users switch to "file_system" when workers run out of file descriptors
     script = tmp_path / "probe.py"

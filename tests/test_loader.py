@@ -296,7 +296,9 @@ def test_skip_drops_the_corrupt_sample_with_a_warning(corrupt):
     loader = pf.make_loader(corrupt, batch_size=8, num_workers=2, shuffle=False, on_error="skip")
     with pytest.warns(SkippedSampleWarning, match=key) as record:
         sizes = [len(labels) for _, labels in loader]
-    assert sizes == [7, 8, 8] and len(record) == 1
+    # pytest.warns records every warning; others (Python 3.12+ warns of forking while torch runs
+    # threads of its own) are not this test's business
+    assert sizes == [7, 8, 8] and len([w for w in record if w.category is SkippedSampleWarning]) == 1
     assert [(s.index, s.key) for s in loader.skipped] == [(BAD, key)]
 
 

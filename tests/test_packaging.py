@@ -1,0 +1,95 @@
+"""What users install: the wheel and the sdist that ``python -m build`` makes from this checkout.
+
+The wheel carries ``py.typed`` (so users' type checkers see our annotations) and the
+license; the sdist carries everything the tests, the tools and the notebooks need, so
+that its tests run where it is unpacked.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# a part of the quick tier that needs the test helpers, the tools and the notebooks' neighbours
+SDIST_TESTS = ["tests/test_registry.py", "tests/test_cli.py", "tests/test_manifest_text.py"]
+
+
+def build(kind: str, source: Path, outdir: Path) -> Path:
+    """Build a ``kind`` ("sdist" or "wheel") of the project at ``source`` with this interpreter's setuptools."""
+    done = subprocess.run(
+        [sys.executable, "-m", "build", "--no-isolation", f"--{kind}", "--outdir", str(outdir), str(source)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (built,) = outdir.glob("*.tar.gz" if kind == "sdist" else "*.whl")
+    return built
+
+
+def clean_copy(destination: Path) -> Path:
+    """A copy of the checkout without what builds and runs leave in it: setuptools would take an
+    old ``*.egg-info``'s file list for the sdist's, hiding what MANIFEST.in lacks."""
+    left_behind = shutil.ignore_patterns(".git", ".venv", "*.egg-info", "build", "dist", "__pycache__",
+                                         ".*_cache", "demo_data", "bench_data", "bench_results")
+    return Path(shutil.copytree(ROOT, destination, ignore=left_behind))
+
+
+@pytest.fixture(scope="module")
+def unpacked_sdist(tmp_path_factory) -> Path:
+    """The sdist of this checkout, unpacked in a temporary directory."""
+    tmp = tmp_path_factory.mktemp("sdist")
+    sdist = build("sdist", clean_copy(tmp / "checkout"), tmp / "dist")
+    with tarfile.open(sdist) as archive:
+        archive.extractall(tmp / "unpacked")
+    (top,) = (tmp / "unpacked").iterdir()
+    return top
+
+
+def tracked(*folders: str) -> list:
+    """The files git tracks under ``folders`` (none outside a git checkout)."""
+    done = subprocess.run(["git", "ls-files", *folders], cwd=ROOT, capture_output=True, text=True)
+    return [name for name in done.stdout.split() if (ROOT / name).is_file()] if done.returncode == 0 else []
+
+
+@pytest.mark.slow
+def test_the_sdist_holds_the_tests_tools_notebooks_and_docs(unpacked_sdist):
+    wanted = ["LICENSE", "README.rst", "CHANGELOG.rst", "Makefile", "constraints.txt", "constraints-floor.txt",
+              "pyproject.toml", "setup.cfg", "setup.py", "ruff.toml", "packed_formats/py.typed",
+              "tests/conftest.py", "tests/tiny_format.py"]
+    wanted += tracked("tests", "tools", "notebooks", "docs")
+    missing = [name for name in wanted if not (unpacked_sdist / name).is_file()]
+    assert not missing, f"the sdist lacks {missing}: add them to MANIFEST.in"
+
+
+@pytest.mark.slow
+def test_the_wheel_built_from_the_sdist_carries_py_typed_and_the_license(unpacked_sdist, tmp_path):
+    wheel = build("wheel", unpacked_sdist, tmp_path)
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "packed_formats/py.typed" in names
+    assert any(name.endswith(".dist-info/licenses/LICENSE") or name.endswith(".dist-info/LICENSE")
+               for name in names), names
+    assert not any(name.startswith("tests/") for name in names)
+
+
+@pytest.mark.slow
+def test_the_unpacked_sdist_passes_its_tests(unpacked_sdist):
+    env = dict(os.environ, PYTHONPATH=str(unpacked_sdist))
+    where = subprocess.run([sys.executable, "-c", "import packed_formats; print(packed_formats.__file__)"],
+                           cwd=unpacked_sdist, env=env, capture_output=True, text=True)
+    assert Path(where.stdout.strip()).parent == unpacked_sdist / "packed_formats", where.stderr
+    pytest_command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    # every test module imports (its helper modules are there) ...
+    collected = subprocess.run([*pytest_command, "--collect-only", "tests"], cwd=unpacked_sdist, env=env,
+                               capture_output=True, text=True, timeout=600)
+    assert collected.returncode == 0, collected.stdout[-3000:] + collected.stderr[-3000:]
+    # ... and a part of the quick tier passes there
+    ran = subprocess.run([*pytest_command, "-m", "not slow", *SDIST_TESTS], cwd=unpacked_sdist, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
