@@ -3,6 +3,11 @@
 # make test-fast  - the quick tier: every test not marked slow (about four minutes)
 # make notebooks  - run the teaching notebooks and store their outputs (the test suite checks them)
 # make lint       - ruff only;  make typecheck - mypy only
+# make docs       - the documentation (API reference, command line, guide, notebooks) into
+#                   docs/_build/html, warnings as errors
+# make test-compat - the quick tier on the oldest versions setup.cfg accepts (Python 3.9,
+#                    constraints-floor.txt) and on the newest releases pip resolves (Python 3.13);
+#                    their venvs are cached outside the repository (see tools/compat.sh)
 # Each creates .venv on first use and installs the project with pinned torch builds.
 
 PYTHON ?= python3
@@ -10,11 +15,11 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast notebooks lint typecheck clean
+.PHONY: demo test test-fast test-compat notebooks docs lint typecheck clean
 
 $(STAMP): setup.cfg setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade "pip>=23" "setuptools>=61"
+	$(PY) -m pip install --quiet --upgrade "pip>=23" "setuptools>=64"
 	$(PY) -m pip install --quiet -c constraints.txt torch torchvision -e ".[test]"
 	touch $(STAMP)
 
@@ -27,8 +32,15 @@ test: lint typecheck
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests
 
+test-compat:
+	tools/compat.sh floor
+	tools/compat.sh newest
+
 notebooks: $(STAMP)
 	$(PY) tools/notebooks.py run
+
+docs: $(STAMP)
+	$(PY) -m sphinx -E -W --keep-going -b html docs docs/_build/html
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check packed_formats tests tools
@@ -37,4 +49,4 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy packed_formats
 
 clean:
-	rm -rf $(VENV) demo_data .pytest_cache
+	rm -rf $(VENV) demo_data .pytest_cache docs/_build docs/notebooks

@@ -276,6 +276,11 @@ def diagnose(
     memory, torch, advice (a list of {"topic", "level", "message"}; level is ok, info
     or warning).
 
+    Args:
+        path: a directory or an archive.
+        batch_size: the batch size the advice on memory (shared memory, pinned copies) assumes.
+        mounts: the mount table the file system is looked up in.
+
     Raises:
         ArchiveNotFoundError: ``path`` does not exist.
     """

@@ -33,6 +33,20 @@ class ArchiveManifest:
     ``index_crc32`` holds (array name, CRC32) of every index array
     (``checksum.array_crc32``); the stored JSON also carries the CRC32 of the
     manifest's own content, checked by from_json.
+
+    Args:
+        format: the archive format's name ("zip", "hdf5", "lmdb", "memmap", ...).
+        mode: "raw" (decoded pixels of one shape) or "encoded" (image file bytes).
+        count: the number of samples.
+        classes: the class names, label i naming ``classes[i]``.
+        shape: (H, W, C) of every raw sample; None for encoded archives.
+        dtype: the raw samples' numpy dtype (uint8).
+        encoding: "jpeg", "png" or "mixed" for encoded archives; None for raw ones.
+        checksum: the per-sample checksum kind ("crc32"), or None.
+        format_version: the layout version the archive was written with.
+        created_with, created_at: the writing library's version and the UTC time of writing.
+        complete: whether the archive was sealed.
+        index_crc32: (array name, CRC32) of every index array.
     """
 
     format: str

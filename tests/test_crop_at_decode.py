@@ -195,3 +195,61 @@ def test_a_corrupt_photo_is_named_or_skipped_in_the_crop_path(photos, tmp_path):
     with pytest.warns(pf.SkippedSampleWarning, match=bad_key):
         sizes = [len(images) for images, _ in loader]
     assert sizes == [7, 8, 8]
+
+
+# ---- through containers ----
+def test_a_compose_that_starts_with_a_crop_is_split_however_nested():
+    crop, rest = split_at_decode(T.Compose([T.train(32)]))
+    assert isinstance(crop, RandomCropAtDecode) and isinstance(rest, T.FlipNormalize)
+    crop, rest = split_at_decode(T.Compose([T.Compose([T.val(32, resize=40)]), abs]))
+    assert isinstance(crop, CenterCropAtDecode) and crop.size == (32, 32)
+    assert type(rest) is T.Compose and isinstance(rest.transforms[0], T.FlipNormalize) and rest.transforms[1] is abs
+    assert split_at_decode(T.Compose([T.Compose([T.Normalize()]), T.train(32)])) is None
+
+
+def test_mixup_and_cutmix_after_train_leave_the_crop_at_decode_and_keep_the_labels_step():
+    from torchvision.transforms import v2
+
+    mixer = v2.RandomChoice([v2.MixUp(alpha=0.2, num_classes=3), v2.CutMix(alpha=1.0, num_classes=3)])
+    crop, rest = split_at_decode(T.Compose([T.train(32), mixer]))
+    assert isinstance(crop, RandomCropAtDecode) and crop.size == (32, 32)
+    assert type(rest) is T.Compose and rest.takes_labels
+    assert isinstance(rest.transforms[0], T.FlipNormalize) and rest.transforms[1] is mixer
+
+
+@pytest.mark.parametrize("tv", ["v1", "v2"])
+def test_a_torchvision_compose_that_starts_with_a_bilinear_crop_is_split(tv):
+    import torchvision.transforms as v1
+    from torchvision.transforms import v2
+
+    t = v1 if tv == "v1" else v2
+    flip = t.RandomHorizontalFlip()
+    crop, rest = split_at_decode(t.Compose([t.RandomResizedCrop(32, scale=(0.25, 1.0)), flip]))
+    assert isinstance(crop, RandomCropAtDecode) and crop.size == (32, 32) and crop.crop.scale == (0.25, 1.0)
+    assert type(rest) is t.Compose and rest.transforms == [flip]
+    crop, rest = split_at_decode(t.Compose([t.Resize(40), t.CenterCrop(32)]))
+    assert isinstance(crop, CenterCropAtDecode) and (crop.resize, crop.size, rest) == (40, (32, 32), None)
+    nearest = t.RandomResizedCrop(32, interpolation=t.InterpolationMode.NEAREST)
+    assert split_at_decode(t.Compose([nearest])) is None  # the decoder resizes bilinearly only
+    assert split_at_decode(t.Compose([t.Resize(40, max_size=50), t.CenterCrop(32)])) is None
+    assert split_at_decode(t.Compose([flip, t.RandomResizedCrop(32)])) is None
+
+
+def test_make_loader_mixes_labels_of_photos_cropped_at_decode(photos):
+    """The README's MixUp/CutMix recipe on an encoded archive of mixed sizes, with no size=."""
+    from torchvision.transforms import v2
+
+    mixer = v2.RandomChoice([v2.MixUp(alpha=0.2, num_classes=3), v2.CutMix(alpha=1.0, num_classes=3)])
+    loader = pf.make_loader(photos, batch_size=8, num_workers=0, transform=T.Compose([T.train(48), mixer]))
+    images, labels = next(iter(loader))
+    assert images.shape == (8, 3, 48, 48) and images.dtype == torch.float32
+    assert labels.shape == (8, 3) and labels.dtype == torch.float32
+    assert torch.allclose(labels.sum(dim=1), torch.ones(8))
+
+
+def test_make_loader_crops_photos_at_decode_for_a_torchvision_pipeline(photos):
+    from torchvision.transforms import v2
+
+    transform = v2.Compose([v2.RandomResizedCrop(40), v2.RandomHorizontalFlip(), v2.ToDtype(torch.float32, scale=True)])
+    images, labels = next(iter(pf.make_loader(photos, batch_size=8, num_workers=0, transform=transform)))
+    assert images.shape == (8, 3, 40, 40) and images.dtype == torch.float32 and labels.shape == (8,)

@@ -9,7 +9,9 @@ crops and flips whether the batch lives on the CPU or a GPU.  A caller that
 has memory for the result (a DataLoader worker's shared-memory slot) passes
 ``allocate=`` to ``forward``.
 
-``train(size)`` and ``val(size)`` are the usual ImageNet recipes.  The ops
+``train(size)`` and ``val(size)`` are the usual ImageNet recipes (``train``
+also takes the ``auto_augment``, ``ra_magnitude`` and ``random_erase`` settings of
+torchvision's classification reference).  The ops
 live in ``ops``, the kernels they call in ``functional``.  ``RandomErasing``,
 ``TrivialAugmentWide`` and ``RandAugment`` (``augment``, kernels in
 ``adjust``) draw per sample, as torchvision's do per image.

@@ -194,7 +194,9 @@ class TrivialAugmentWide(_AutoAugment):
 
     As torchvision's ``TrivialAugmentWide``, each image of the batch with its
     own draw.  ``interpolation`` ("nearest" or "bilinear") and ``fill`` (None
-    for black, a value, or one per channel) are for the geometric ops.
+    for black, a value, or one per channel) are for the geometric ops;
+    ``num_magnitude_bins`` is the number of magnitude steps, ``generator`` the CPU
+    generator used when ``forward`` gets none.
     """
 
     def __init__(self, num_magnitude_bins: int = 31, interpolation: object = "nearest", fill: adjust.Fill = None,
@@ -214,7 +216,9 @@ class RandAugment(_AutoAugment):
     """RandAugment, per sample: ``num_ops`` ops in turn, each drawn uniformly, all of bin ``magnitude``.
 
     As torchvision's ``RandAugment``, each image of the batch with its own
-    draws (ops and signs).  ``interpolation`` and ``fill`` as for ``TrivialAugmentWide``.
+    draws (ops and signs).  ``interpolation`` and ``fill`` as for ``TrivialAugmentWide``;
+    ``num_magnitude_bins`` the number of magnitude steps, ``generator`` the CPU generator
+    used when ``forward`` gets none.
     """
 
     def __init__(self, num_ops: int = 2, magnitude: int = 9, num_magnitude_bins: int = 31,
@@ -246,7 +250,7 @@ class RandomErasing(BatchTransform):
     after 10 draws that do not fit, the sample is left as it is.  ``value`` is
     one value, one per channel (in the batch's units: 0..255 for uint8), or
     "random" for standard normal noise (float batches only: it is meant for
-    normalised ones).
+    normalised ones).  ``generator`` is the CPU generator used when ``forward`` gets none.
     """
 
     def __init__(

@@ -60,7 +60,8 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 # ---- crops ------------------------------------------------------------------------------------------
 def gathered_crops(batch: torch.Tensor, tops: torch.Tensor, lefts: torch.Tensor, size: Tuple[int, int]) -> torch.Tensor:
-    """The ``size`` window at (tops[b], lefts[b]) of every sample b, in one gather (channels-last result)."""
+    """The ``size`` window at (tops[b], lefts[b]) of every sample b of ``batch``, in one gather
+    (channels-last result)."""
     h, w = size
     rows = to_device(tops.view(-1, 1) + torch.arange(h), batch.device)
     cols = to_device(lefts.view(-1, 1) + torch.arange(w), batch.device)
@@ -125,7 +126,8 @@ def resized_crops(batch: torch.Tensor, boxes: Boxes, size: Tuple[int, int], anti
     with the resampling weights as matrices: two batched matrix products, the
     same result as cropping and ``interpolate``-ing sample by sample (to within
     float rounding).  Made for GPUs, where per-sample launches cost more than
-    the arithmetic; uint8 stays uint8 (rounded).
+    the arithmetic; uint8 stays uint8 (rounded).  ``antialias`` filters when shrinking;
+    ``allocate`` is asked for the result's memory first (it may answer None).
     """
     tops, lefts, heights, widths = (to_device(t, batch.device) for t in boxes)
     rows = resize_weights(tops, heights, size[0], batch.shape[-2], antialias)  # [B,h,H]

@@ -32,6 +32,9 @@ class WithLabels:
     from torch's global CPU generator follow the loader's seed: it is seeded
     from the batch's generator for the call, so they are the same with any
     number of workers, and whether the batch is on the CPU or a GPU.
+
+    Args:
+        function: the callable, ``function(images, labels) -> (images, labels)``.
     """
 
     takes_labels = True

@@ -75,6 +75,9 @@ class Batched:
     Without it, a callable that is not a ``BatchTransform`` (a torchvision
     pipeline, say) is applied to each image of the batch on its own, so that
     its random crop or flip is drawn per image, never once for a whole batch.
+
+    Args:
+        function: the callable, ``function(batch) -> batch`` on ``[B,C,H,W]`` tensors.
     """
 
     is_batch_transform = True
@@ -122,7 +125,8 @@ def apply_with_labels(
     A transform that takes labels (``labels.takes_labels``: MixUp, CutMix,
     ``WithLabels``) gets both; a ``Compose`` holding one passes both along its
     steps; any other transform gets the images as in ``apply_transform``, the
-    labels staying as they are.
+    labels staying as they are.  ``generator`` and ``allocate`` are passed on as
+    ``apply_transform`` does.
     """
     if isinstance(transform, Compose) and transform.takes_labels:
         return transform.with_labels(images, labels, generator, allocate)
@@ -231,7 +235,8 @@ class CenterCrop(BatchTransform):
 
 
 class RandomCrop(BatchTransform):
-    """A ``size`` window at a random position, drawn independently per sample."""
+    """A ``size`` window at a random position, drawn independently per sample (``generator``:
+    the CPU generator used when ``forward`` gets none)."""
 
     def __init__(self, size: Size, generator: Optional[torch.Generator] = None) -> None:
         super().__init__(generator)
@@ -261,7 +266,9 @@ class RandomResizedCrop(BatchTransform):
 
     Parameters follow torchvision: ``scale`` is the crop's share of the image
     area, ``ratio`` its width/height range; after 10 failed draws a sample gets
-    the central crop of clamped aspect.  uint8 batches stay uint8.
+    the central crop of clamped aspect.  uint8 batches stay uint8.  ``antialias``
+    filters when shrinking (as torchvision's ``antialias=True``, and as crops made while
+    decoding always do); ``generator`` is the CPU generator used when ``forward`` gets none.
     """
 
     def __init__(
@@ -334,7 +341,8 @@ class RandomResizedCrop(BatchTransform):
 
 
 class RandomHorizontalFlip(BatchTransform):
-    """Mirror each image left-right with probability ``p``, independently per sample."""
+    """Mirror each image left-right with probability ``p``, independently per sample (``generator``:
+    the CPU generator used when ``forward`` gets none)."""
 
     def __init__(self, p: float = 0.5, generator: Optional[torch.Generator] = None) -> None:
         super().__init__(generator)
@@ -352,7 +360,8 @@ class RandomHorizontalFlip(BatchTransform):
 
 
 class Resize(BatchTransform):
-    """Bilinear resize of the whole batch: shorter side to ``size`` (int) or exactly (h, w)."""
+    """Bilinear resize of the whole batch: shorter side to ``size`` (int) or exactly (h, w),
+    filtered when shrinking unless ``antialias`` is False."""
 
     def __init__(self, size: Size, antialias: bool = True) -> None:
         super().__init__()
@@ -390,6 +399,10 @@ class Normalize(BatchTransform):
     """``(x - mean) / std`` per channel, with mean/std in [0, 1] units (torchvision's).
 
     A uint8 batch is first scaled to [0, 1]; both steps happen in one pass.
+
+    Args:
+        mean, std: one value per channel, in [0, 1] units (std > 0).
+        dtype: the floating point type of the result.
     """
 
     def __init__(
@@ -474,6 +487,11 @@ class FlipNormalize(Compose):
     Bit-identical to the ops one after the other (which it runs on other batches), and its result
     is contiguous NCHW: the flip, the cast and the turn from the batch's channels-last layout
     happen while each sample is in cache, instead of in three passes over the batch.
+
+    Args:
+        flip: the flip, or None for none.
+        normalize: a ``Normalize`` or ``ToFloat`` (its dtype, mean and std are used).
+        generator: CPU generator used when ``forward`` gets none.
     """
 
     def __init__(
