@@ -334,18 +334,19 @@ def seal_metadata(path: str) -> None:
 
 
 def _payload_spans(file: h5py.File) -> List[Tuple[int, int]]:
-    """(offset, length) of the stored samples and index arrays: bytes HDF5 hands over unparsed, which
-    the archive's own CRC32s check (listed chunk by chunk where this h5py can, else not at all)."""
+    """(offset, length) of the stored bytes ``_visit_as_reader`` has HDF5 hand over unparsed: the index
+    arrays (contiguous) and the images it reads, which the archive's own CRC32s check (a few spans,
+    however many samples: listing every chunk would cost the writer memory per sample)."""
     spans: List[Tuple[int, int]] = []
-    for name in _SAMPLE_NAMES + _INDEX_NAMES:
-        if name not in file:
-            continue
-        dsid = file[name].id
-        offset = dsid.get_offset()
-        if offset is not None:  # contiguous
-            spans.append((offset, dsid.get_storage_size()))
-        elif hasattr(dsid, "chunk_iter") and file[name].compression is None:
-            dsid.chunk_iter(lambda chunk: spans.append((chunk.byte_offset, chunk.size)))
+    for name in _INDEX_NAMES:
+        if name in file and file[name].id.get_offset() is not None:
+            spans.append((file[name].id.get_offset(), file[name].id.get_storage_size()))
+    images = file["images"] if "images" in file else None
+    if images is not None and images.ndim == 4 and images.shape[0] and images.compression is None:
+        for i in sorted({0, images.shape[0] // 2, images.shape[0] - 1}):
+            info = images.id.get_chunk_info_by_coord(_chunk_of(i, 4))
+            if info.byte_offset is not None:
+                spans.append((info.byte_offset, info.size))
     return spans
 
 

@@ -35,7 +35,7 @@ _HEAD = struct.Struct("<8sII")  # magic, version, number of ranges
 _RANGE = struct.Struct("<QII")  # offset, length, CRC32
 _TAIL = struct.Struct("<I")  # CRC32 of the user block before it
 MAX_RANGES = (USERBLOCK - _HEAD.size - _TAIL.size) // _RANGE.size
-MAX_GAP = 4096  # metadata spans closer than this are checked as one (the bytes between never change)
+MAX_GAP = 0  # metadata spans this close are checked as one (0: only touching ones; a gap may hold a sample)
 DAMAGED_HINT = "the archive is damaged: re-create it (or restore it from a copy)"
 
 Range = Tuple[int, int]  # (offset, length)
