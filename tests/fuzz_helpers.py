@@ -29,7 +29,17 @@ EDGE = 4096  # headers and trailers: where indexes, manifests and central direct
 ZEROS = 512
 DAMAGES = ("flip", "bytes", "zeros", "truncate")
 READ_PATHS = ("dataset", "dataloader", "make_loader", "verify")
-CHILD_MEMORY_LIMIT = 16 << 30  # address space of a read child: an absurd allocation fails instead of swapping
+CHILD_MEMORY_LIMIT = 16 << 30  # address space a read child may add: an absurd allocation fails instead of swapping
+
+
+def limit_memory() -> None:
+    """Let this (forked) process and its DataLoader workers add at most ``CHILD_MEMORY_LIMIT`` of address
+    space to what it has already: a long test session's parent may hold many GiB of maps, which a fixed
+    limit would leave the workers no room beyond (they then die at start, exit code 1)."""
+    with open("/proc/self/statm") as statm:
+        mapped = int(statm.read().split()[0]) * resource.getpagesize()
+    limit = mapped + CHILD_MEMORY_LIMIT
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 BATCH_SIZE = 4
 
 # Verdicts.  The first three are allowed; the others are bugs.
@@ -295,7 +305,7 @@ def _child(connection, read, path: str, ref: Reference, mode: str) -> None:
     """In the forked child: its own process group (so that a hang's DataLoader workers die with it), a memory
     limit, then the read; the outcome goes back through ``connection``."""
     os.setpgid(0, 0)
-    resource.setrlimit(resource.RLIMIT_AS, (CHILD_MEMORY_LIMIT, CHILD_MEMORY_LIMIT))
+    limit_memory()
     # A forked child must not enter the OpenMP thread pool its parent used (GNU OpenMP is not fork-safe:
     # the child hangs); DataLoader's own workers run one torch thread for the same reason.
     torch.set_num_threads(1)
@@ -431,7 +441,7 @@ def _batch(connection, job: Job) -> None:
     read path a ("start", number, path) message, after it ("done", number, path, outcome), so that the
     parent knows which read hung or crashed the batch."""
     os.setpgid(0, 0)
-    resource.setrlimit(resource.RLIMIT_AS, (CHILD_MEMORY_LIMIT, CHILD_MEMORY_LIMIT))
+    limit_memory()
     torch.set_num_threads(1)
     landmarks = dict(job.landmarks)
     for number in job.numbers:
