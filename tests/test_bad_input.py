@@ -311,3 +311,31 @@ def test_a_killed_writer_leaves_nothing_that_opens(tmp_path, fmt):
         pf.open_archive(partial, format=fmt)
     with pytest.raises(pf.PackedFormatError):
         pf.open_archive(partial)
+
+
+def test_an_lmdb_map_that_does_not_fit_the_address_space_is_no_damage(archives):
+    """Under ``ulimit -v`` (or a process already holding most of its limit) LMDB cannot map the file: the
+    error must say so, not send the user to re-create an intact archive."""
+    path = archives[("lmdb", "raw")]
+    script = textwrap.dedent(f"""
+        import mmap, resource
+        import packed_formats as pf
+        from packed_formats.errors import CorruptArchiveError
+        statm = open("/proc/self/statm").read()
+        used = int(statm.split()[0]) * resource.getpagesize()
+        resource.setrlimit(resource.RLIMIT_AS, (used + (8 << 20), used + (8 << 20)))
+        spare = mmap.mmap(-1, 7 << 20)  # what is left is less than the archive's map
+        try:
+            reader = pf.open_archive({path!r})
+            reader.read(0)
+        except CorruptArchiveError as exc:
+            print("DAMAGE", exc)
+        except pf.PackedFormatError as exc:
+            print("REFUSED", exc)
+        else:
+            print("READ")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120).stdout
+    if out.startswith("READ"):
+        pytest.skip("the archive's map fitted in the room left (LMDB mapped less than the file)")
+    assert out.startswith("REFUSED") and "address-space" in out and path in out, out

@@ -212,6 +212,11 @@ def _open_env(path: str, readahead: bool) -> LMDBHandle:
             ) from None
         if not os.access(_data_file(path), os.R_OK):  # lmdb says only "Permission denied"
             raise ArchivePermissionError.denied(path, _data_file(path)) from None
+        if isinstance(exc, lmdb.MemoryError) or "Cannot allocate memory" in str(exc):
+            raise PackedFormatError(  # the map did not fit this process's address space: nothing is damaged
+                path, f"LMDB cannot map it ({exc})",
+                hint="this process may not map the file: raise its address-space limit (ulimit -v) or free memory",
+            ) from None
         raise CorruptArchiveError(path, f"LMDB cannot open it ({exc})", hint="the file is damaged") from None
     needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
     size = os.path.getsize(_data_file(path))
