@@ -93,3 +93,57 @@ def test_the_unpacked_sdist_passes_its_tests(unpacked_sdist):
     ran = subprocess.run([*pytest_command, "-m", "not slow", *SDIST_TESTS], cwd=unpacked_sdist, env=env,
                          capture_output=True, text=True, timeout=900)
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
+
+
+SMOKE = r'''
+import os, sys, subprocess, tempfile
+import torch
+import packed_formats as pf
+from packed_formats.synthetic import make_image_folder
+
+assert os.path.dirname(pf.__file__).startswith(sys.prefix), pf.__file__  # the installed wheel, not a checkout
+work = tempfile.mkdtemp()
+src = make_image_folder(os.path.join(work, "src"), images_per_class=4, classes=("a", "b"), sizes=(20, 30), seed=0)
+cli = [os.path.join(os.path.dirname(sys.executable), "packed-formats")]
+for fmt, ext in [("zip", "zip"), ("hdf5", "h5"), ("lmdb", "lmdb"), ("memmap", "memmap")]:
+    for mode in ("raw", "encoded"):
+        out = os.path.join(work, f"{mode}.{ext}")
+        for command in (["convert", src, out, "--mode", mode, "--size", "16", "--quiet"], ["info", out],
+                        ["verify", out]):
+            done = subprocess.run(cli + command, capture_output=True, text=True)
+            assert done.returncode == 0, (fmt, mode, command, done.stdout, done.stderr)
+        for method in ("fork", "spawn"):
+            loader = torch.utils.data.DataLoader(pf.PackedDataset(out, output="tensor"), batch_size=4,
+                                                 num_workers=2, multiprocessing_context=method)
+            assert sum(len(labels) for _, labels in loader) == 8, (fmt, mode, method)
+        images, labels = next(iter(pf.make_loader(out, batch_size=4, num_workers=0,
+                                                  transform=pf.transforms.train(12))))
+        assert tuple(images.shape) == (4, 3, 12, 12), (fmt, mode, images.shape)
+print("smoke ok")
+'''
+
+
+@pytest.mark.slow
+def test_the_wheel_installed_in_a_fresh_venv_passes_the_smoke(unpacked_sdist, tmp_path):
+    """The wheel in a new venv, run from outside any checkout: the package, its entry point and its data
+    are the wheel's.  The venv reaches this one's packages through a .pth file (torch is a download of
+    several GB), but not this checkout."""
+    wheel = build("wheel", unpacked_sdist, tmp_path / "dist")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=300)
+    python = venv / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    ours = [p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir()]
+    Path(site, "dependencies.pth").write_text("\n".join(ours) + "\n")
+    install = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", site,
+                              str(wheel)], capture_output=True, text=True, timeout=600)
+    assert install.returncode == 0, install.stderr[-3000:]
+    # the console script: pip --target does not write one for the venv, so make what pip would
+    script = venv / "bin" / "packed-formats"
+    script.write_text(f"#!{python}\nimport sys\nfrom packed_formats.cli import main\nsys.exit(main())\n")
+    script.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([str(python), "-c", SMOKE], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0 and "smoke ok" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
