@@ -474,8 +474,10 @@ def paths_of_trial(number: int) -> Tuple[str, ...]:
 
 def run_job(job: Job, timeout: float) -> List[Trial]:
     """Run ``job``'s trials in batch processes: a read that sends nothing for ``timeout`` seconds is a hang
-    (its batch is killed), a batch that dies is a crash of its current read; the rest go on in a new batch."""
-    context = multiprocessing.get_context("fork")
+    (its batch is killed), a batch that dies is a crash of its current read; the rest go on in a new batch.
+    Batches start from the forkserver, a fresh interpreter: forked from the test session (and from a thread
+    of it), they inherited what earlier tests left behind, under which their DataLoader workers could not start."""
+    context = multiprocessing.get_context("forkserver")
     trials: Dict[int, Trial] = {}
     todo = list(job.numbers)
     while todo:

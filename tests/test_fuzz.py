@@ -38,8 +38,8 @@ from . import fuzz_helpers as fuzz
 from .conftest import ARCHIVE_KINDS, kind_id
 
 QUICK_SEED, QUICK_TRIALS = 0, 4
-SLOW_TRIALS = 300  # per format, split over its modes (about 2.5 minutes on 2 shared cores)
-SLOW_BATCH = 25  # trials a batch process runs (one process start per batch, not per read)
+SLOW_TRIALS = 200  # per format, split over its modes (about 3 minutes on 2 shared cores)
+SLOW_BATCH = 50  # trials a batch process runs (one process start per batch, not per read)
 
 
 def setting(name: str, default: int) -> int:
