@@ -89,7 +89,7 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     """Model, optimizer and loader state (and the epoch's running totals) to ``path``, atomically."""
     model = getattr(model, "module", model)  # DDP's wrapped model
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "loader": loader.state_dict(),
-             "totals": totals}
+             "totals": totals, "epoch": loader.epoch}  # the epoch the totals are of
     temp = f"{path}.tmp-{os.getpid()}"
     torch.save(state, temp)
     with open(temp, "rb") as file:
@@ -103,7 +103,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     getattr(model, "module", model).load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     loader.load_state_dict(state["loader"])
-    return state["totals"]
+    return dict(state["totals"], epoch=state.get("epoch", loader.epoch))
 
 
 def requeue() -> None:
@@ -191,9 +191,17 @@ def train(argv=None) -> float:
     totals = {"loss": 0.0, "batches": 0}  # of the epoch in progress, kept across a resume
     if args.checkpoint and os.path.exists(args.checkpoint):
         totals = load_checkpoint(args.checkpoint, model, optimizer, loader, device)
+        saved_epoch = totals.pop("epoch")
         if rank == 0:
-            print(f"resumed from {args.checkpoint}: epoch {loader.epoch}, {totals['batches']} batches done",
+            print(f"resumed from {args.checkpoint}: epoch {saved_epoch}, {totals['batches']} batches done",
                   flush=True)
+        if loader.epoch > saved_epoch and totals["batches"]:  # stopped after its last batch: report that epoch
+            if dist.is_initialized():
+                print(f"rank {rank} of {dist.get_world_size()}: epoch {saved_epoch}: {totals['batches']} batches",
+                      flush=True)
+            if rank == 0:
+                print(f"epoch {saved_epoch}: loss {totals['loss'] / max(1, totals['batches']):.3f}", flush=True)
+            totals = {"loss": 0.0, "batches": 0}
     if rank == 0 and args.checkpoint:
         print(f"process {os.getpid()}: SIGUSR1 saves {args.checkpoint} and stops", flush=True)
     mean_loss = float("nan")
