@@ -40,6 +40,8 @@ def limit_memory() -> None:
         mapped = int(statm.read().split()[0]) * resource.getpagesize()
     limit = mapped + CHILD_MEMORY_LIMIT
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
 BATCH_SIZE = 4
 
 # Verdicts.  The first three are allowed; the others are bugs.

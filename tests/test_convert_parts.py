@@ -103,11 +103,18 @@ def test_rerunning_a_finished_task_changes_nothing(image_folder, tmp_path):
     assert files() == before
 
 
-def test_a_part_left_unsealed_is_refused_and_rewritten_by_the_rerun(image_folder, tmp_path):
+def parts_without_index(image_folder, tmp_path, tasks: int) -> str:
+    """Every task of a ``tasks``-way conversion run, then the set's index removed: the parts as ``join``
+    finds them; the destination's path."""
     dst = str(tmp_path / "train.zip")
-    for i in range(3):
-        task(image_folder, dst, (i, 3))
+    for i in range(tasks):
+        task(image_folder, dst, (i, tasks))
     os.remove(dst)
+    return dst
+
+
+def test_a_part_left_unsealed_is_refused_and_rewritten_by_the_rerun(image_folder, tmp_path):
+    dst = parts_without_index(image_folder, tmp_path, 3)
     seal = parts.seal_path(dst, "train-00004.zip")
     os.remove(seal)  # as if its task was killed after writing the part, before sealing it
     with pytest.raises(pf.IncompleteArchiveError, match=r"train-00004\.zip is not sealed .*--part 2/3"):
@@ -143,10 +150,7 @@ def test_a_task_of_another_conversion_is_refused_before_it_writes(image_folder, 
 
 
 def test_join_refuses_a_part_from_another_conversion_and_two_parts_claiming_one_slot(image_folder, tmp_path):
-    dst = str(tmp_path / "train.zip")
-    for i in range(2):
-        task(image_folder, dst, (i, 2))
-    os.remove(dst)
+    dst = parts_without_index(image_folder, tmp_path, 2)
     seal_file = parts.seal_path(dst, "train-00001.zip")
     seal = json.load(open(seal_file))
     json.dump({**seal, "plan": "0" * 16}, open(seal_file, "w"))
