@@ -85,11 +85,13 @@ class StopRequest:
         return bool(flag.item())
 
 
-def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, loader, totals: dict) -> None:
-    """Model, optimizer and loader state (and the epoch's running totals) to ``path``, atomically."""
+def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, loader, totals: dict,
+                    epoch: int | None = None) -> None:
+    """Model, optimizer and loader state (and the running totals of ``epoch``, by default the loader's) to
+    ``path``, atomically."""
     model = getattr(model, "module", model)  # DDP's wrapped model
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "loader": loader.state_dict(),
-             "totals": totals, "epoch": loader.epoch}  # the epoch the totals are of
+             "totals": totals, "epoch": loader.epoch if epoch is None else epoch}  # the epoch the totals are of
     temp = f"{path}.tmp-{os.getpid()}"
     torch.save(state, temp)
     with open(temp, "rb") as file:
@@ -228,7 +230,7 @@ def train(argv=None) -> float:
             rate = images / (time.perf_counter() - started)
             print(f"epoch {epoch}: loss {mean_loss:.3f}, {rate:.0f} images/s per process on {device}", flush=True)
             if args.checkpoint and not args.max_batches:  # the loader's state: the start of the next epoch
-                save_checkpoint(args.checkpoint, model, optimizer, loader, totals)
+                save_checkpoint(args.checkpoint, model, optimizer, loader, totals, epoch=epoch + 1)
     if dist.is_initialized():
         dist.destroy_process_group()
     return mean_loss
