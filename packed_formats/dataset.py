@@ -70,11 +70,16 @@ class PackedDataset(torch.utils.data.Dataset):
         output: str = "pil",
         verify: bool = True,
         format: Optional[str] = None,
+        *,
+        cache_dir: "str | os.PathLike[str] | None" = None,
+        cache_limit: "int | str | None" = None,
+        storage_options: Optional[Dict[str, Any]] = None,
     ) -> None:
         if output not in OUTPUTS:
             raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
         if not isinstance(source, Reader):
-            source = open_archive(os.path.expanduser(os.fspath(source)), format=format, verify=verify)
+            source = open_archive(os.path.expanduser(os.fspath(source)), format=format, verify=verify,
+                                  cache_dir=cache_dir, cache_limit=cache_limit, storage_options=storage_options)
         self.reader = source
         self.transform = transform
         self.target_transform = target_transform

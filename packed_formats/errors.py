@@ -223,6 +223,35 @@ class InvalidSourceError(PackedFormatError):
     """
 
 
+class RemoteError(PackedFormatError):
+    """An archive in object storage (s3://, gs://, https://) could not be reached as it should.
+
+    Its ``path`` is the object's URL without credentials (``storage.redact``): none are ever
+    put in an error, a log or a resume state.
+    """
+
+
+class RemoteNotFoundError(RemoteError, ArchiveNotFoundError):
+    """The object (an archive, a part of a set, its index) does not exist in the store."""
+
+
+class RemoteAccessError(RemoteError, ArchivePermissionError):
+    """The store refused access (403, invalid or missing credentials)."""
+
+
+class RemoteChangedError(RemoteError, ArchiveChangedError):
+    """An object of a set changed in the store since the set was opened (another size or ETag, or
+    content that no longer matches the set's index): it is refused, never mixed with the old one."""
+
+
+class RemoteUnavailableError(RemoteError):
+    """The store kept failing (5xx, reset connections, bodies cut short) through every retry."""
+
+
+class MissingDependencyError(PackedFormatError, ImportError):
+    """An optional dependency this use needs is not installed (the error says which extra installs it)."""
+
+
 class DataLoaderWorkerError(PackedFormatError):
     """A DataLoader worker process died (killed by a signal, often the out-of-memory killer)."""
 

@@ -251,15 +251,28 @@ class Reader:
 
     def __init__(self, path: "str | os.PathLike[str]", backend: Type[Backend], verify: VerifyPolicy = True) -> None:
         check_verify(verify)
-        self.path = os.fspath(path)
+        path = os.fspath(path)
+        with named_failures(path, "cannot read the archive's metadata"):
+            loaded = backend.load(path)
+        if loaded.manifest.format != backend.format_name:
+            raise FormatMismatchError(
+                path, f"manifest says format {loaded.manifest.format!r}, expected {backend.format_name!r}"
+            )
+        self._attach(path, loaded, verify)
+
+    @classmethod
+    def of_backend(cls, backend: Backend, verify: VerifyPolicy = True, path: Optional[str] = None) -> "Reader":
+        """A Reader over a backend already loaded (a remote set's), named ``path`` (default: the backend's)."""
+        check_verify(verify)
+        reader = cls.__new__(cls)
+        reader._attach(backend.path if path is None else path, backend, verify)
+        return reader
+
+    def _attach(self, path: str, backend: Backend, verify: VerifyPolicy) -> None:
+        self.path = path
         self.verify = verify
         self._closed = False
-        with named_failures(self.path, "cannot read the archive's metadata"):
-            self.backend: Backend = backend.load(self.path)
-        if self.backend.manifest.format != backend.format_name:
-            raise FormatMismatchError(
-                self.path, f"manifest says format {self.backend.manifest.format!r}, expected {backend.format_name!r}"
-            )
+        self.backend: Backend = backend
         self.backend.identity = self.backend.data_file_identity()
         self._watched = self._watched_identities()
         self._check_index_consistent()
@@ -306,6 +319,13 @@ class Reader:
     @property
     def labels(self) -> np.ndarray:
         return self.index.labels
+
+    @property
+    def part_starts(self) -> np.ndarray:
+        """Each part's first sample, then the count (int64, len = parts + 1): a sharded archive's
+        parts, else one part, ``[0, len]``."""
+        starts = getattr(self.backend, "starts", None)
+        return np.array([0, len(self)], dtype=np.int64) if starts is None else starts
 
     @property
     def classes(self) -> List[str]:
@@ -422,7 +442,7 @@ class Reader:
         """A mapped index travels as the archive's description and is mapped again by the receiving
         process (pages shared through the page cache), never as a pickled copy of every array."""
         state = self.__dict__.copy()
-        if self.backend.index.mapped():
+        if self.backend.index.mapped() and not getattr(self.backend, "pickles_itself", False):
             state["backend"] = _MappedBackend(type(self.backend), self.path, self.backend.identity)
         return state
 

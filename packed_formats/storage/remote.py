@@ -1,0 +1,299 @@
+"""Objects in a store, read and written through fsspec, with retries and named errors.
+
+Every call runs on its own event loop in the calling thread (``asyncio.run``) with a fresh
+file system and session that it closes: no background thread of fsspec's is ever started, so
+nothing of ours is alive when DataLoader workers fork, and a forked or spawned process starts
+from a clean slate.
+
+Transient failures (5xx, throttling, reset connections, a body cut short, timeouts) are retried
+with exponential backoff and jitter; a download is fetched in ranges, each checked for its length.
+Permanent failures raise named errors that give the URL without credentials:
+``RemoteNotFoundError`` (missing), ``RemoteAccessError`` (403, credentials),
+``RemoteChangedError`` (another size or ETag than the one recorded),
+``RemoteUnavailableError`` (still failing after every retry).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import random
+import time
+from typing import Any, Awaitable, Callable, Dict, List, Optional, TypeVar
+
+from ..errors import (
+    MissingDependencyError,
+    RemoteAccessError,
+    RemoteChangedError,
+    RemoteError,
+    RemoteNotFoundError,
+    RemoteUnavailableError,
+)
+from .urls import clean_url, filesystem, redact
+
+T = TypeVar("T")
+CHUNK_BYTES = 8 << 20  # one ranged GET
+CONCURRENT_RANGES = 4  # in flight per download
+ATTEMPTS = int(os.environ.get("PF_REMOTE_ATTEMPTS", "8"))  # tries of one request before RemoteUnavailableError
+BACKOFF_S = 0.1  # the first retry's wait; doubled each time, up to MAX_BACKOFF_S, with jitter
+MAX_BACKOFF_S = 8.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectInfo:
+    """What identifies one version of a stored object: its size and its ETag (or the store's equivalent)."""
+
+    size: int
+    etag: str
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"size": self.size, "etag": self.etag}
+
+    @classmethod
+    def from_json(cls, data: Dict[str, Any]) -> "ObjectInfo":
+        return cls(int(data["size"]), str(data["etag"]))
+
+
+def object_info(info: Dict[str, Any]) -> ObjectInfo:
+    """ObjectInfo from an fsspec ``info`` dict (S3 ETag, GCS etag/generation, HTTP ETag)."""
+    etag = next((str(info[k]) for k in ("ETag", "etag", "generation", "md5Hash", "mtime") if info.get(k)), "")
+    return ObjectInfo(int(info.get("size") or 0), etag.strip('"'))
+
+
+class _Transient(Exception):
+    """A failure worth another try (wraps the original)."""
+
+
+def _classify(exc: BaseException, url: str) -> BaseException:
+    """The error to raise for ``exc`` from a request on ``url``: a named permanent one, or _Transient."""
+    text = redact(f"{type(exc).__name__}: {exc}")
+    if isinstance(exc, RemoteError):
+        return exc
+    if isinstance(exc, FileNotFoundError):
+        return RemoteNotFoundError(url, "no such object in the store", hint="check the URL and the bucket")
+    if isinstance(exc, PermissionError):
+        return RemoteAccessError(url, f"the store refused access ({text})",
+                                 hint="check the credentials this process has (environment, profile files)")
+    status = _http_status(exc)
+    if status in (401, 403):
+        return RemoteAccessError(url, f"the store refused access (HTTP {status})",
+                                 hint="check the credentials this process has (environment, profile files)")
+    if status == 404:
+        return RemoteNotFoundError(url, "no such object in the store (HTTP 404)", hint="check the URL")
+    if status is not None and 400 <= status < 500 and status not in (408, 429):
+        return RemoteError(url, f"the store refused the request ({text})")
+    if isinstance(exc, (ImportError, MissingDependencyError, TypeError, AttributeError)):
+        return exc  # a bug or a missing package: no retry hides it
+    return _Transient(text)
+
+
+def _http_status(exc: BaseException) -> Optional[int]:
+    for candidate in (getattr(exc, "status", None), getattr(exc, "code", None)):
+        if isinstance(candidate, int) and 100 <= candidate < 600:
+            return candidate
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if isinstance(status, int):
+            return status
+    return None
+
+
+async def _retrying(url: str, attempt: Callable[[], Awaitable[T]], what: str) -> T:
+    """``attempt()`` until it succeeds, a permanent error, or ATTEMPTS transient failures."""
+    last = ""
+    for k in range(ATTEMPTS):
+        try:
+            return await attempt()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure is classified
+            error = _classify(exc, url)
+            if not isinstance(error, _Transient):
+                raise error from None
+            last = str(error)
+        await asyncio.sleep(min(MAX_BACKOFF_S, BACKOFF_S * 2**k) * (0.5 + random.random()))
+    raise RemoteUnavailableError(url, f"{what} failed {ATTEMPTS} times; the last: {last}",
+                                 hint="the store or the network is failing; the job can be resumed")
+
+
+class Store:
+    """One store location's objects (URLs), with the file system options to reach it."""
+
+    def __init__(self, storage_options: Optional[Dict[str, Any]] = None) -> None:
+        self.storage_options = dict(storage_options or {})
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return self.__dict__.copy()
+
+    def run(self, url: str, body: Callable[[Any, str], Awaitable[T]]) -> T:
+        """``body(fs, path)`` on a fresh event loop and file system, its session closed at the end."""
+
+        async def main() -> T:
+            options = dict(self.storage_options, asynchronous=True, skip_instance_cache=True)
+            fs, path = filesystem(url, options)
+            session = None
+            try:
+                if hasattr(fs, "set_session"):
+                    session = await fs.set_session()
+                return await body(fs, path)
+            finally:
+                close = getattr(session, "close", None)
+                if close is not None:
+                    result = close()
+                    if asyncio.iscoroutine(result):
+                        await result
+
+        return asyncio.run(main())
+
+    # ---- reading ----
+    def info(self, url: str) -> ObjectInfo:
+        """The object's size and ETag (RemoteNotFoundError if it does not exist)."""
+        url = clean_url(url)
+
+        async def body(fs: Any, path: str) -> ObjectInfo:
+            details = await _retrying(url, lambda: fs._info(path), "asking for the object's size")
+            if details.get("type") == "directory":
+                raise RemoteNotFoundError(url, "a directory (prefix), not an object")
+            return object_info(details)
+
+        return self.run(url, body)
+
+    def tree(self, url: str) -> Dict[str, ObjectInfo]:
+        """Every object under the prefix ``url`` (a memmap archive is a directory), by relative path."""
+        url = clean_url(url).rstrip("/")
+
+        async def body(fs: Any, path: str) -> Dict[str, ObjectInfo]:
+            found = await _retrying(url, lambda: fs._find(path, detail=True), "listing the directory")
+            prefix = path.rstrip("/") + "/"
+            return {name[len(prefix):]: object_info(d) for name, d in sorted(found.items())
+                    if name.startswith(prefix)}
+
+        return self.run(url, body)
+
+    def is_directory(self, url: str) -> bool:
+        """Whether ``url`` is a prefix holding objects rather than an object."""
+        url = clean_url(url).rstrip("/")
+
+        async def body(fs: Any, path: str) -> bool:
+            try:
+                details = await _retrying(url, lambda: fs._info(path), "asking what the URL is")
+            except RemoteNotFoundError:
+                return False
+            return details.get("type") == "directory"
+
+        return self.run(url, body)
+
+    def read(self, url: str, start: int = 0, end: Optional[int] = None) -> bytes:
+        """Bytes [start, end) of the object (all of it by default), retried until complete."""
+        url = clean_url(url)
+
+        async def body(fs: Any, path: str) -> bytes:
+            stop = end
+            if stop is None:
+                stop = object_info(await _retrying(url, lambda: fs._info(path), "asking for its size")).size
+            return await _fetch(fs, path, url, start, stop)
+
+        return self.run(url, body)
+
+    def download(self, url: str, target: str, expected: ObjectInfo,
+                 on_bytes: Optional[Callable[[int], None]] = None) -> None:
+        """Write the object to the local file ``target`` (created), checking that it is still
+        ``expected`` (size and ETag) before and after: RemoteChangedError otherwise."""
+        url = clean_url(url)
+
+        async def body(fs: Any, path: str) -> None:
+            await _expect(fs, path, url, expected)
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.ftruncate(fd, expected.size)
+                gate = asyncio.Semaphore(CONCURRENT_RANGES)
+
+                async def one(start: int) -> None:
+                    async with gate:
+                        data = await _fetch(fs, path, url, start, min(expected.size, start + CHUNK_BYTES))
+                    os.pwrite(fd, data, start)
+                    if on_bytes is not None:
+                        on_bytes(len(data))
+
+                await asyncio.gather(*(one(s) for s in range(0, expected.size, CHUNK_BYTES)))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            await _expect(fs, path, url, expected)
+
+        self.run(url, body)
+
+    # ---- writing ----
+    def upload(self, local: str, url: str) -> ObjectInfo:
+        """Put the local file at ``url``; return what the store now holds there."""
+        url = clean_url(url)
+
+        async def body(fs: Any, path: str) -> ObjectInfo:
+            await _retrying(url, lambda: fs._put_file(local, path), "uploading")
+            info = object_info(await _retrying(url, lambda: fs._info(path), "checking the upload"))
+            if info.size != os.path.getsize(local):
+                raise RemoteError(url, f"the upload holds {info.size} bytes, not the {os.path.getsize(local)} sent")
+            return info
+
+        return self.run(url, body)
+
+    def remove(self, urls: List[str]) -> None:
+        """Delete the objects (those missing are ignored)."""
+        for url in urls:
+            url = clean_url(url)
+
+            async def body(fs: Any, path: str, url: str = url) -> None:
+                try:
+                    await _retrying(url, lambda: fs._rm_file(path), "deleting")
+                except RemoteNotFoundError:
+                    pass
+
+            self.run(url, body)
+
+
+# ---- coroutines for a body given to Store.run (several requests on one session) ----
+async def ainfo(fs: Any, path: str, url: str) -> Dict[str, Any]:
+    """fsspec's info dict of the object (retried; named errors)."""
+    return await _retrying(url, lambda: fs._info(path), "asking for the object's size")
+
+
+async def atree(fs: Any, path: str, url: str) -> Dict[str, ObjectInfo]:
+    """Every object under the prefix, by path relative to it."""
+    found = await _retrying(url, lambda: fs._find(path, detail=True), "listing the directory")
+    prefix = path.rstrip("/") + "/"
+    return {name[len(prefix):]: object_info(d) for name, d in sorted(found.items()) if name.startswith(prefix)}
+
+
+async def aread(fs: Any, path: str, url: str, start: int, end: int) -> bytes:
+    """Bytes [start, end) of the object."""
+    return await _fetch(fs, path, url, start, end)
+
+
+async def _expect(fs: Any, path: str, url: str, expected: ObjectInfo) -> None:
+    now = object_info(await _retrying(url, lambda: fs._info(path), "asking for its size"))
+    if (now.size, now.etag) != (expected.size, expected.etag):
+        raise RemoteChangedError(
+            url, f"changed in the store since the set was opened (size {expected.size} -> {now.size}, "
+                 f"ETag {expected.etag or '?'} -> {now.etag or '?'})",
+            hint="open the set again to read it as it is now")
+
+
+async def _fetch(fs: Any, path: str, url: str, start: int, end: int) -> bytes:
+    """Bytes [start, end), retried while the store fails or sends fewer bytes than asked."""
+
+    async def attempt() -> bytes:
+        data = await fs._cat_file(path, start=start, end=end)
+        if len(data) != end - start:
+            raise ConnectionError(f"a body cut short: {len(data)} of {end - start} bytes at offset {start}")
+        return bytes(data)
+
+    if end <= start:
+        return b""
+    return await _retrying(url, attempt, f"reading bytes {start}-{end}")
+
+
+def backoff_sleep(attempt: int) -> None:
+    """The wait before retry ``attempt`` (0-based) of something done outside an event loop."""
+    time.sleep(min(MAX_BACKOFF_S, BACKOFF_S * 2**attempt) * (0.5 + random.random()))
