@@ -53,6 +53,9 @@ class PackedDataset(torch.utils.data.Dataset):
             1-channel raw archive), "tensor" (uint8 CxHxW) or "numpy" (uint8 HxWxC).
         verify: check each sample's CRC32 on read (CorruptSampleError on mismatch).
         format: insist on this format (FormatMismatchError otherwise).
+        cache_dir, cache_limit, storage_options: for a URL (``s3://``, ``gs://``,
+            ``https://``): the node-local cache of its parts and fsspec's options
+            (see ``open_archive``).
 
     Nothing is held open in the process that creates the dataset; each process
     (DataLoader worker, forked, spawned or forkserver) opens its own handle on

@@ -20,6 +20,7 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional
 
 import torch
 
+from . import storage
 from .backends import open_archive
 from .backends.base import Reader
 from .backends.sharded import given_max_open_parts
@@ -39,14 +40,25 @@ from .policy import (
     check_on_error,
     check_verify,
 )
-from .resume import STATE_VERSION, StateSpec, archive_identity, position_state, read_state
+from .resume import (
+    STATE_VERSION,
+    StateSpec,
+    archive_identity,
+    position_state,
+    read_state,
+    saved_settings,
+    window_settings,
+)
 from .sampling import (
+    DEFAULT_WINDOW,
     BatchPlan,
     BatchSampler,
     EpochPosition,
+    Shuffle,
     WorkerInit,
     batch_generator,
     batch_seed,
+    check_shuffle,
     rank_and_world_size,
     shard_indices,
 )
@@ -305,7 +317,7 @@ class PackedLoader:
         self._find_rank()
         state: Dict[str, Any] = {"kind": self.KIND, "version": STATE_VERSION,
                                  **position_state(self._position(), "batches")}
-        state.update(self._settings(), rank=self.sampler.rank, archive=self._archive())
+        state.update(saved_settings(self._settings()), rank=self.sampler.rank, archive=self._archive())
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -329,7 +341,7 @@ class PackedLoader:
         Raises:
             ValueError: ``state`` is not a PackedLoader state, was saved by a newer
                 version, for another archive, or with another batch size, seed,
-                shuffle or drop_last, or a field is missing, unknown, of another
+                shuffle, window or drop_last, or a field is missing, unknown, of another
                 type or out of range (the message names it).
         """
         self._find_rank()
@@ -351,8 +363,8 @@ class PackedLoader:
 
     def _settings(self) -> Dict[str, Any]:
         s = self.sampler
-        return {"samples": s.n, "batch_size": s.batch_size, "shuffle": s.shuffle, "seed": s.seed,
-                "drop_last": s.drop_last}
+        return {"samples": s.n, "batch_size": s.batch_size, "shuffle": s.shuffle,
+                **window_settings(s.shuffle, s.window, s.starts), "seed": s.seed, "drop_last": s.drop_last}
 
     def _archive(self) -> Dict[str, Any]:
         if self._identity is None:
@@ -367,7 +379,7 @@ class PackedLoader:
 def make_loader(
     source: Any,
     batch_size: int = 256,
-    shuffle: bool = True,
+    shuffle: Shuffle = True,
     num_workers: int = 2,
     device: Union[str, torch.device] = "cpu",
     transform: Optional[Callable] = None,
@@ -388,12 +400,20 @@ def make_loader(
     memory_format: torch.memory_format = torch.contiguous_format,
     return_index: bool = False,
     decode: str = "workers",
+    window: int = DEFAULT_WINDOW,
 ) -> PackedLoader:
     """A fast loader of whole ``(images, labels)`` batches from an archive.
 
     Args:
         source: archive path (any format, auto-detected), a PackedDataset or a Reader.
         batch_size, shuffle, drop_last: as for DataLoader (drop_last drops the short last batch).
+            shuffle="window" is for a sharded archive read through a cache of parts smaller
+            than the set: the parts are shuffled, then the samples of each ``window`` of
+            parts together, window after window (``sampling.window_order``), so each part is
+            read in one window of the epoch and a cache of ``window`` parts fetches it once
+            an epoch.  An archive of one part, or ``window`` >= its parts, is shuffled whole.
+        window: parts whose samples shuffle="window" mixes (default 8); batches mix
+            fewer parts with a smaller one, so keep it as large as the cache allows.
         num_workers: worker processes, each reading whole batches (0: read in this process).
         device: where batches end up; "cuda" pins host batches and copies them on a side stream.
         transform: a batch transform (``pf.transforms``, or a callable wrapped in
@@ -461,6 +481,7 @@ def make_loader(
     check_verify(verify)
     check_choice("resize_mode", resize_mode, RESIZE_MODES)
     check_choice("decode", decode, DECODE_PLACES)
+    shuffle, window = check_shuffle(shuffle, window)
     if memory_format not in MEMORY_FORMATS:
         raise ValueError(f"memory_format must be torch.contiguous_format or torch.channels_last, got {memory_format}")
     if num_workers < 0:
@@ -479,7 +500,8 @@ def make_loader(
     if send == "bytes":
         check_decoder()
     on_cpu = device.type == "cpu" and send == "batches"  # whether the workers make the batches whole
-    sampler = BatchSampler(len(reader), batch_size, shuffle, drop_last, seed, rank, world)
+    sampler = BatchSampler(len(reader), batch_size, shuffle, drop_last, seed, rank, world, window=window,
+                           starts=reader.part_starts)
     batch_reader = BatchReader(
         reader, size=decode_size, resize_mode=resize_mode, transform=transform if on_cpu or send != "batches" else None,
         on_error=on_error, seed=seed, rank=rank, pin=device.type == "cuda" and num_workers == 0,
@@ -580,7 +602,7 @@ def _open_reader(source: Any, format: Optional[str], verify: VerifyPolicy) -> Re
         if getattr(source, "transform", None) is not None:
             raise ValueError("make_loader applies batch transforms: pass transform= to make_loader, not the dataset")
         return open_archive(reader.path, format=reader.format_name, verify=verify,
-                            max_open_parts=given_max_open_parts(reader))
+                            max_open_parts=given_max_open_parts(reader), **storage.reopen_options(reader))
     if isinstance(source, (str, os.PathLike)):
         return open_archive(source, format=format, verify=verify)
     raise TypeError(f"make_loader needs an archive path, a PackedDataset or a Reader, got {type(source).__name__}")

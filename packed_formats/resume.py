@@ -18,7 +18,16 @@ import torch
 
 from .backends.base import Reader
 from .checksum import array_crc32, crc32
-from .sampling import EpochPosition, batch_count, rank_and_world_size, shard_indices, share_length
+from .sampling import (
+    DEFAULT_WINDOW,
+    EpochPosition,
+    Shuffle,
+    batch_count,
+    check_shuffle,
+    rank_and_world_size,
+    shard_indices,
+    share_length,
+)
 
 if TYPE_CHECKING:  # Python 3.10 and later (only annotations use it)
     from typing import TypeGuard
@@ -27,6 +36,9 @@ STATE_VERSION = 1  # raise when a state's meaning changes; older states stay rea
 
 POSITION_FIELDS = ("epoch", "start", "world_size", "first_batch")
 ARCHIVE_FIELDS = ("name", "count", "classes", "classes_crc32", "labels_crc32")  # of ``archive_identity``
+# settings a state leaves out at this value (so older versions read it), and that older states lack:
+# those of shuffle="window" (``window_settings``)
+OPTIONAL_SETTINGS: Mapping[str, Any] = {"window": None, "parts_crc32": None}
 
 
 def archive_identity(reader: Reader) -> Dict[str, Any]:
@@ -72,10 +84,13 @@ def read_state(state: Any, spec: StateSpec) -> EpochPosition:
     every field: present, none unknown, of its type (an int is an int: not a bool, a float or a string),
     in its range, the settings the same and the archive this one.
 
+    A setting of ``OPTIONAL_SETTINGS`` that ``state`` lacks has its value there.
+
     Raises:
         ValueError: naming the first field that does not fit and what was expected.
     """
     _check_kind_and_version(state, spec.kind)
+    state = {**{k: v for k, v in OPTIONAL_SETTINGS.items() if k in spec.settings}, **state}
     missing = [name for name in spec.fields if name not in state]
     if missing:
         raise ValueError(f"the {spec.kind} state lacks {', '.join(missing)}; pass what {spec.kind}.state_dict() "
@@ -110,9 +125,29 @@ def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
+def saved_settings(settings: Mapping[str, Any]) -> Dict[str, Any]:
+    """``settings`` as a state holds them: those of ``OPTIONAL_SETTINGS`` left out at their value there."""
+    return {k: v for k, v in settings.items() if k not in OPTIONAL_SETTINGS or v != OPTIONAL_SETTINGS[k]}
+
+
+def window_settings(shuffle: Shuffle, window: int, starts: np.ndarray) -> Dict[str, Optional[int]]:
+    """The settings of shuffle="window" (else None): ``window``, the parts per window, and ``parts_crc32``,
+    a CRC32 of the parts' first samples ``starts``, on which the order depends (a set cut into other
+    parts has the same samples, so the same ``archive_identity``, but another order)."""
+    if shuffle != "window":
+        return {"window": None, "parts_crc32": None}
+    return {"window": window, "parts_crc32": array_crc32(np.asarray(starts, dtype=np.int64))}
+
+
 def _check_setting(state: Mapping[str, Any], name: str, value: Any, kind: str) -> None:
     saved = state[name]
-    if isinstance(value, bool):
+    if name == "shuffle":
+        fits = isinstance(saved, (bool, np.bool_)) or (isinstance(saved, str) and saved == "window")
+        expected = "True or False, or 'window'"
+    elif name in OPTIONAL_SETTINGS:
+        low = 1 if name == "window" else 0
+        fits, expected = saved is None or (_is_int(saved) and saved >= low), f"None or an integer from {low}"
+    elif isinstance(value, bool):
         fits, expected = isinstance(saved, (bool, np.bool_)), "True or False"
     else:
         fits, expected = _is_int(saved), "an integer"
@@ -220,7 +255,10 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
     Args:
         dataset_or_len: the dataset (a PackedDataset's archive identity is kept
             in the state, so a state of another archive is refused) or its length.
-        shuffle, seed, drop_last: as for DistributedSampler.
+        shuffle, seed, drop_last: as for DistributedSampler; shuffle may also be "window":
+            parts shuffled, then the samples of each window of ``window`` parts together
+            (``sampling.window_order``; a length, or an archive of one part, has one part).
+        window: parts per window of shuffle="window" (as ``make_loader``'s).
         rank, world_size: this process's place (None: torch.distributed's when
             initialised, else a single process).
 
@@ -274,8 +312,10 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
         drop_last: bool = False,
+        window: int = DEFAULT_WINDOW,
     ) -> None:
         self._reader = getattr(dataset_or_len, "reader", None)
+        self.shuffle, self.window = check_shuffle(shuffle, window)
         self.n = dataset_or_len if isinstance(dataset_or_len, int) else len(dataset_or_len)
         if rank is None or world_size is None:
             this_rank, this_world = rank_and_world_size(None)
@@ -283,7 +323,8 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
             world_size = this_world if world_size is None else world_size
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
-        self.shuffle, self.seed, self.drop_last = bool(shuffle), int(seed), bool(drop_last)
+        self.seed, self.drop_last = int(seed), bool(drop_last)
+        self._starts = self._reader.part_starts if isinstance(self._reader, Reader) else np.array([0, self.n])
         self.rank, self.num_replicas = int(rank), int(world_size)
         self.epoch = 0
         self._pending: Optional[EpochPosition] = None  # loaded, for the next pass
@@ -316,7 +357,8 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
                                                                                  world_size=self.num_replicas)
         self._pending, self._pass, self._yielded = None, position, 0
         order = shard_indices(self.n, epoch=position.epoch, seed=self.seed, shuffle=self.shuffle, rank=self.rank,
-                              world_size=self.num_replicas, drop_last=self.drop_last, start=position.start)
+                              world_size=self.num_replicas, drop_last=self.drop_last, start=position.start,
+                              starts=self._starts, window=self.window)
         return self._count(order[position.done:].tolist())
 
     def _count(self, indices: list) -> Iterator[int]:
@@ -328,7 +370,8 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         return share_length(self.n - position.start, self.num_replicas, self.drop_last)
 
     def _settings(self) -> Dict[str, Any]:
-        return {"samples": self.n, "shuffle": self.shuffle, "seed": self.seed, "drop_last": self.drop_last}
+        return {"samples": self.n, "shuffle": self.shuffle, **window_settings(self.shuffle, self.window, self._starts),
+                "seed": self.seed, "drop_last": self.drop_last}
 
     def _archive(self) -> Optional[Dict[str, Any]]:
         if self._identity is None and isinstance(self._reader, Reader):
@@ -345,7 +388,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         """
         position = self._position(consumed)
         state: Dict[str, Any] = {"kind": self.KIND, "version": STATE_VERSION, **position_state(position, "consumed")}
-        state.update(self._settings(), rank=self.rank, archive=self._archive())
+        state.update(saved_settings(self._settings()), rank=self.rank, archive=self._archive())
         return state
 
     def _position(self, consumed: Optional[int]) -> EpochPosition:

@@ -2,9 +2,12 @@
 
 A ``BatchSampler`` yields one ``BatchPlan`` (epoch, batch number, sample
 indices) per batch of this rank's share of an epoch.  Orders follow
-``DistributedSampler`` (``shard_indices``).  Randomness comes from seeds mixed
-from (seed, epoch, rank, batch number): reproducible, distinct per batch,
-epoch and rank, and independent of how many workers make the batches.  An
+``DistributedSampler`` (``shard_indices``); shuffle="window" shuffles a set's
+parts, then the samples within each window of a few parts (``window_order``),
+so that a bounded cache of parts fetches each part once an epoch.
+Randomness comes from seeds mixed from (seed, epoch, rank, batch number):
+reproducible, distinct per batch, epoch and rank, and independent of how
+many workers make the batches.  An
 ``EpochPosition`` says how far an epoch has come, so that it can be continued
 exactly, on the same number of ranks or on another.
 """
@@ -13,12 +16,13 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import os
 import random
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -33,14 +37,94 @@ class BatchPlan(NamedTuple):
 
 
 # ---- order ------------------------------------------------------------------------------------------
-def epoch_order(n: int, *, epoch: int = 0, seed: int = 0, shuffle: bool = True) -> np.ndarray:
+Shuffle = Union[bool, str]  # True, False or "window"
+DEFAULT_WINDOW = 8  # parts per window of shuffle="window"
+
+
+def check_shuffle(shuffle: Any, window: Any) -> Tuple[Shuffle, int]:
+    """(shuffle, window) checked: shuffle True, False or "window"; window a positive integer (parts).
+
+    Raises:
+        ValueError: naming ``shuffle`` or ``window`` and what it must be.
+    """
+    if isinstance(shuffle, (bool, np.bool_)):
+        shuffle = bool(shuffle)
+    elif not (isinstance(shuffle, str) and shuffle == "window"):
+        raise ValueError(f"shuffle must be True or False, or 'window' (parts shuffled, then samples within each "
+                         f"window of `window` parts), got {shuffle!r}")
+    if isinstance(window, (bool, np.bool_)) or not isinstance(window, numbers.Integral) or window < 1:
+        raise ValueError(f"window must be a positive integer (parts whose samples are shuffled together), "
+                         f"got {window!r}")
+    return shuffle, int(window)
+
+
+def epoch_order(n: int, *, epoch: int = 0, seed: int = 0, shuffle: Shuffle = True,
+                starts: Optional[np.ndarray] = None, window: int = DEFAULT_WINDOW) -> np.ndarray:
     """The epoch's global order of all ``n`` samples, the same on every rank.
 
-    ``torch.randperm`` seeded with ``seed + epoch`` (as ``DistributedSampler``), or 0..n-1.
+    shuffle=True: ``torch.randperm`` seeded with ``seed + epoch`` (as
+    ``DistributedSampler``); False: 0..n-1; "window": ``window_order`` over the
+    parts whose first samples are ``starts`` (None: one part, ``[0, n]``).
     """
+    if shuffle == "window":
+        return window_order(np.array([0, n]) if starts is None else starts, epoch=epoch, seed=seed, window=window)
     if shuffle:
         return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).numpy()
     return np.arange(n, dtype=np.int64)
+
+
+def part_windows(parts: int, *, epoch: int = 0, seed: int = 0, window: int = DEFAULT_WINDOW) -> List[np.ndarray]:
+    """The parts of each window of an epoch of ``window_order``, window after window (of ``parts`` parts).
+
+    What a reader of parts fetches, in order: the parts of one window are all
+    read while that window lasts, and none of them before or after it.  One
+    window of all parts when ``window >= parts``.
+    """
+    if parts <= window:
+        return [np.arange(parts, dtype=np.int64)]
+    permuted = _window_generator(seed, epoch).permutation(parts)
+    return [permuted[w : w + window] for w in range(0, parts, window)]
+
+
+def _window_generator(seed: int, epoch: int) -> np.random.Generator:
+    """The generator of an epoch of windows, from ``seed + epoch`` (as the global shuffle): numpy's, whose
+    in-place shuffle of a window is several times faster than ``torch.randperm`` and a gather."""
+    return np.random.default_rng((seed + epoch) % 2**64)
+
+
+def window_order(starts: "np.ndarray | Sequence[int]", *, epoch: int = 0, seed: int = 0,
+                 window: int = DEFAULT_WINDOW) -> np.ndarray:
+    """The epoch's order of shuffle="window": the parts shuffled, then the samples of each window of
+    ``window`` consecutive parts (of that order) shuffled together, window after window.
+
+    ``starts`` are the parts' first samples with the total at the end (len = parts + 1,
+    ``Reader.part_starts``).  So a cache of ``window`` parts fetches each part once an epoch.
+    Seeded with ``seed + epoch``; with one part, or ``window >= parts``, it is the global
+    shuffle (``epoch_order(n, shuffle=True)``).  Drawn in one vector pass over the samples
+    and one in-place shuffle per window: about half a second for 14 million samples.
+    """
+    starts = np.asarray(starts, dtype=np.int64)
+    parts, n = len(starts) - 1, int(starts[-1])
+    if parts <= window:
+        return epoch_order(n, epoch=epoch, seed=seed, shuffle=True)
+    generator = _window_generator(seed, epoch)
+    permuted = generator.permutation(parts)  # part_windows' draw: the same parts
+    counts = np.diff(starts)[permuted]
+    ends = np.cumsum(counts)  # in the parts' shuffled order: where each part's samples end
+    # sample k of that order is k - (where its part begins there) + (where its part begins in the set)
+    order = np.arange(n, dtype=np.int64) - np.repeat(ends - counts - starts[permuted], counts)
+    bounds = np.concatenate([[0], ends[window - 1 :: window], [n]])
+    for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        generator.shuffle(order[a:b])
+    return order
+
+
+def parts_in_order(order: np.ndarray, starts: "np.ndarray | Sequence[int]") -> np.ndarray:
+    """The parts that the samples ``order`` (a slice of an epoch's order) read, in the order they are
+    first read: what to fetch, and in what order, to follow it."""
+    owner = np.searchsorted(np.asarray(starts, dtype=np.int64), order, side="right") - 1
+    parts, first = np.unique(owner, return_index=True)
+    return parts[np.argsort(first, kind="stable")]
 
 
 def split_order(order: np.ndarray, *, rank: int = 0, world_size: int = 1, drop_last: bool = False) -> np.ndarray:
@@ -70,8 +154,8 @@ def share_length(n: int, world_size: int, drop_last: bool) -> int:
 
 
 def shard_indices(
-    n: int, *, epoch: int = 0, seed: int = 0, shuffle: bool = True, rank: int = 0, world_size: int = 1,
-    drop_last: bool = False, start: int = 0,
+    n: int, *, epoch: int = 0, seed: int = 0, shuffle: Shuffle = True, rank: int = 0, world_size: int = 1,
+    drop_last: bool = False, start: int = 0, starts: Optional[np.ndarray] = None, window: int = DEFAULT_WINDOW,
 ) -> np.ndarray:
     """This rank's sample order for one epoch, exactly as ``DistributedSampler`` gives it.
 
@@ -79,9 +163,11 @@ def shard_indices(
     share (``split_order``: interleaved, padded or cut to divide evenly).
     ``start`` > 0 splits only the global order's positions from ``start`` on:
     the rest of an epoch resumed on another number of ranks (``EpochPosition``).
+    ``starts`` and ``window`` are those of shuffle="window" (``window_order``):
+    as every rank splits the same order, all ranks read the same window at once.
     """
-    return split_order(epoch_order(n, epoch=epoch, seed=seed, shuffle=shuffle)[start:], rank=rank,
-                       world_size=world_size, drop_last=drop_last)
+    order = epoch_order(n, epoch=epoch, seed=seed, shuffle=shuffle, starts=starts, window=window)
+    return split_order(order[start:], rank=rank, world_size=world_size, drop_last=drop_last)
 
 
 def batch_count(items: int, batch_size: int, drop_last: bool) -> int:
@@ -139,13 +225,17 @@ class BatchSampler(torch.utils.data.Sampler):
     ``set_epoch`` is ``DistributedSampler``'s: code written for a DataLoader
     calls it on ``loader.sampler``, and the loader that owns this sampler
     (``call_on_set_epoch``) decides what it means for a pass under way or resumed.
+    ``shuffle`` is True, False or "window" (``window_order`` of ``window`` parts
+    of those whose first samples are ``starts``; None: one part, ``[0, n]``).
     """
 
-    def __init__(self, n: int, batch_size: int, shuffle: bool, drop_last: bool, seed: int, rank: int,
-                 world_size: int) -> None:
+    def __init__(self, n: int, batch_size: int, shuffle: Shuffle, drop_last: bool, seed: int, rank: int,
+                 world_size: int, *, window: int = DEFAULT_WINDOW, starts: Optional[np.ndarray] = None) -> None:
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
-        self.n, self.batch_size, self.shuffle, self.drop_last = n, batch_size, shuffle, drop_last
+        self.shuffle, self.window = check_shuffle(shuffle, window)
+        self.n, self.batch_size, self.drop_last = n, batch_size, drop_last
+        self.starts = np.array([0, n], dtype=np.int64) if starts is None else starts
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.epoch = 0
         self.start, self.first_batch, self.skip = 0, 0, 0
@@ -183,7 +273,8 @@ class BatchSampler(torch.utils.data.Sampler):
         """
         order_of = functools.partial(
             shard_indices, self.n, epoch=self.epoch, seed=self.seed, shuffle=self.shuffle, rank=self.rank,
-            world_size=self.world_size, drop_last=self.drop_last, start=self.start,
+            world_size=self.world_size, drop_last=self.drop_last, start=self.start, starts=self.starts,
+            window=self.window,
         )
         return self._plans(self.epoch, self.first_batch, self.skip, order_of)
 
