@@ -29,6 +29,7 @@ import uuid
 from contextlib import contextmanager
 from typing import Iterator, List, Optional, Tuple
 
+from . import storage
 from .backends import PACKED_FORMATS, detect_format, open_archive
 from .backends.base import Reader, publish, remove_path
 from .backends.sharded import read_shard_index
@@ -88,9 +89,13 @@ def stage(path: "str | os.PathLike[str]", to: "str | os.PathLike[str]", timeout:
 def stage_archive(
     path: "str | os.PathLike[str]", to: "str | os.PathLike[str]", timeout: Optional[float] = None
 ) -> StagedArchive:
-    """Like stage(), but also says whether this call copied and how much."""
+    """Like stage(), but also says whether this call copied and how much.  A URL (s3://...) is
+    downloaded into ``to`` once per node, each part checked on arrival (``storage.stage_remote``)."""
     started = time.monotonic()
     source = os.fspath(path)
+    if storage.is_remote(source):
+        local, copied, nbytes = storage.stage_remote(source, os.fspath(to))
+        return StagedArchive(local, copied, nbytes, time.monotonic() - started)
     parts = _parts_of(source)
     directory = os.fspath(to)
     os.makedirs(directory, exist_ok=True)

@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Sequence
 
 import numpy as np
 
+from .. import storage
 from ..backends import open_archive
 from ..sources import detect_source, open_source
 from ..sources.layout import DATASET_JSON
@@ -42,6 +43,8 @@ def describe(path: "str | Sequence[str]", **options: Any) -> Dict[str, Any]:
     ``options``: how to read a source (subdir, source_format, label_key, image_key, allow_pickle).
     """
     given = {name: value for name, value in options.items() if value not in (None, False)}
+    if isinstance(path, str) and storage.is_remote(path):
+        return describe_archive(path)
     if isinstance(path, str) and not given and detect_source(path, deep=False) in ("packed", "folder"):
         if _has_labels(path):
             return describe_source(path)
@@ -83,15 +86,23 @@ def describe_archive(path: str) -> Dict[str, Any]:
             "shape": None if m.shape is None else list(m.shape),
             "encoding": m.encoding,
             "checksum": m.checksum,
-            "bytes": disk_usage(path),
+            "bytes": remote_bytes(reader) if storage.is_remote(path) else disk_usage(path),
             "created_with": m.created_with,
             "created_at": m.created_at,
             "classes": {name: int(counts[c]) for c, name in enumerate(m.classes)},
         }
         parts = getattr(reader.backend, "parts", None)
-        if parts:
+        if isinstance(reader.backend, storage.RemoteSetBackend):
+            facts["parts"] = [{"path": p.url, "format": reader.backend.part_format, "samples": p.count}
+                              for p in reader.backend.remote_parts]
+        elif parts:
             facts["parts"] = [{"path": p.path, "format": p.manifest.format, "samples": len(p)} for p in parts]
     return facts
+
+
+def remote_bytes(reader: Any) -> int:
+    """Bytes a remote set's parts hold in the store."""
+    return sum(p.info.size for p in reader.backend.remote_parts)
 
 
 def run(args: argparse.Namespace) -> int:

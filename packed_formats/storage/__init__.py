@@ -10,7 +10,7 @@ local archive or set into a store.  fsspec is the one layer for protocols; insta
 
 from .cache import CACHE_DIR_VARIABLE, CACHE_LIMIT_VARIABLE, CacheOverLimitWarning, PartCache, parse_size
 from .remote import ObjectInfo, Store
-from .remote_set import RemoteSetBackend, open_remote, reopen_options
+from .remote_set import RemoteSetBackend, open_remote, reopen_options, stage_remote
 from .upload import upload
 from .urls import clean_url, is_remote, redact
 
@@ -28,5 +28,6 @@ __all__ = [
     "parse_size",
     "redact",
     "reopen_options",
+    "stage_remote",
     "upload",
 ]

@@ -27,7 +27,7 @@ import io
 import json
 import os
 import zlib
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple, cast
 
 import numpy as np
 
@@ -100,6 +100,39 @@ def open_remote(url: str, *, verify: Any = True, cache_dir: Optional[str] = None
     reader = Reader.of_backend(backend, verify=verify, path=url)
     sharded.limit_open_parts(reader, max_open_parts)
     return reader
+
+
+def stage_remote(url: str, to: str, storage_options: Optional[Dict[str, Any]] = None) -> Tuple[str, bool, int]:
+    """Download the set or archive at ``url`` into the directory ``to``, each part once per node and
+    checked on arrival (see ``PartCache``: processes staging it at once wait for each other); return
+    (the local path to open, whether this call downloaded anything, bytes of the set).
+
+    ``to`` is a cache without a bound: a set's parts keep the cache's names, and a local index beside
+    them (``<to>/<set>/<name>``) makes them one local set that reads with no network.
+    """
+    reader = open_remote(url, verify=False, cache_dir=to, storage_options=storage_options, max_open_parts=1)
+    try:
+        backend = cast(RemoteSetBackend, reader.backend)
+        fetched = False
+        for p in range(len(backend.remote_parts)):
+            path = backend.entry_path(p)
+            before = os.path.lexists(path)
+            backend.fetch(p)
+            fetched = fetched or not before
+        nbytes = sum(part.info.size for part in backend.remote_parts)
+        if len(backend.remote_parts) == 1 and backend.remote_parts[0].url == backend.url:
+            return backend.entry_path(0), fetched, nbytes  # one archive: the cached copy is it
+        index = {"packed_formats_shards": 1, "format": backend.part_format,
+                 "parts": [{"name": os.path.basename(backend.entry_path(p)), "count": part.count}
+                           for p, part in enumerate(backend.remote_parts)]}
+        local = os.path.join(os.path.dirname(backend.path), f"local-{os.path.basename(backend.path)}")
+        temp = f"{local}.tmp-{os.getpid()}"
+        with open(temp, "w") as file:
+            file.write(json.dumps(index, indent=1) + "\n")
+        os.replace(temp, local)
+        return local, fetched, nbytes
+    finally:
+        reader.close()
 
 
 def reopen_options(reader: Reader) -> Dict[str, Any]:
