@@ -14,6 +14,8 @@ import packed_formats as pf
 from packed_formats import codecs
 from packed_formats.synthetic import make_image_folder
 
+from .s3_server import s3, s3_env, s3_proxy  # noqa: F401 (fixtures: a real S3 server, a fault proxy)
+
 if os.environ.get("PF_TEST_EXTRA_FORMAT"):  # a module that registers one more format: the suite runs on it too
     importlib.import_module(os.environ["PF_TEST_EXTRA_FORMAT"])
 
