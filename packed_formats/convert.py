@@ -22,12 +22,12 @@ import sys
 import threading
 import time
 import warnings
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 from tqdm import tqdm
 
-from . import codecs
+from . import codecs, storage
 from .backends import EXTENSIONS, PACKED_FORMATS, open_writer
 from .backends.base import remove_path
 from .backends.sharded import ShardedWriter, existing_parts, part_name
@@ -39,6 +39,7 @@ from .errors import (
     InsufficientSpaceError,
     InvalidSourceError,
     PackedFormatError,
+    RemoteNotFoundError,
 )
 from .manifest import MODES
 from .parallel import WorkerDiedError, available_cores, ordered_map
@@ -174,6 +175,15 @@ def convert(
         destination, bad image), ValueError (bad option),
         ConversionInterrupted / KeyboardInterrupt.
     """
+    if _any_remote(src) or storage.is_remote(os.fspath(dst)):
+        options = dict(format=format, mode=mode, size=size, resize_mode=resize_mode, quality=quality,
+                       encoding=encoding, labels=labels, workers=workers, shard_size=shard_size, overwrite=overwrite,
+                       on_error=on_error, quiet=quiet, subdir=subdir, source_format=source_format,
+                       label_key=label_key, image_key=image_key, allow_pickle=allow_pickle)
+        if part is not None:
+            raise ValueError("part= writes parts on a shared file system: convert the set's parts there, join "
+                             "them, then upload the set (packed_formats.storage.upload)")
+        return _convert_remote(src, os.fspath(dst), options)
     started = time.perf_counter()
     dst = os.fspath(dst)
     format = _check_options(dst, format, mode, resize_mode, quality, encoding, on_error, shard_size)
@@ -494,6 +504,59 @@ def _source_bytes(source: Source) -> int:
         size = source.stored_size(i) or 0  # an unreadable file is reported by the conversion itself
         total += size if source.key(i).lower().endswith(_AS_STORED) else size // _REENCODED_RATIO
     return total * n // len(picks)
+
+
+def _any_remote(src: SourcePath) -> bool:
+    return any(storage.is_remote(p) for p in _source_paths(src))
+
+
+def _convert_remote(src: SourcePath, dst: str, options: Dict[str, Any]) -> ConvertSummary:
+    """convert() where the source or the destination is in a store: the source's objects (a tar,
+    webdataset shards, a ZIP; brace patterns expanded) are downloaded into a scratch folder first;
+    the destination is written there, then uploaded (parts, the set's sample index, its index
+    last: the set appears at ``dst`` whole or not at all).  The scratch folder is removed at the end."""
+    import shutil
+    import tempfile
+
+    from .sources.webdataset import expand_shards
+
+    scratch = tempfile.mkdtemp(prefix="packed_formats-convert-")
+    try:
+        local_src: SourcePath = src
+        if _any_remote(src):
+            urls = expand_shards(_source_paths(src)) if len(_source_paths(src)) > 1 or "{" in _shown(src) \
+                else _source_paths(src)
+            store, local = storage.Store(), []
+            for k, url in enumerate(urls):
+                target = os.path.join(scratch, "source", f"{k:05d}-{storage.urls.basename(url)}")
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                store.download(url, target, store.info(url))
+                local.append(target)
+            local_src = local[0] if len(local) == 1 else local
+        local_dst = dst
+        if storage.is_remote(dst):
+            if not options["overwrite"] and _remote_exists(dst):
+                raise ArchiveExistsError(storage.clean_url(dst), "already exists in the store",
+                                         hint="pass overwrite=True (--overwrite) to replace it")
+            local_dst = os.path.join(scratch, "out", storage.urls.basename(dst))
+            os.makedirs(os.path.dirname(local_dst))
+        summary = convert(local_src, local_dst, **options)
+        if local_dst != dst:
+            storage.upload(local_dst, dst)
+        if storage.is_remote(dst):
+            return dataclasses.replace(summary, source=_shown(src), destination=storage.clean_url(dst),
+                                       parts=[storage.urls.join(dst, os.path.basename(p)) for p in summary.parts])
+        return dataclasses.replace(summary, source=_shown(src))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _remote_exists(url: str) -> bool:
+    try:
+        storage.Store().info(url)
+    except RemoteNotFoundError:
+        return storage.Store().is_directory(url)
+    return True
 
 
 def _source_paths(src: SourcePath) -> List[str]:

@@ -401,6 +401,9 @@ def make_loader(
     return_index: bool = False,
     decode: str = "workers",
     window: int = DEFAULT_WINDOW,
+    cache_dir: "str | os.PathLike[str] | None" = None,
+    cache_limit: "int | str | None" = None,
+    storage_options: Optional[Dict[str, Any]] = None,
 ) -> PackedLoader:
     """A fast loader of whole ``(images, labels)`` batches from an archive.
 
@@ -467,6 +470,11 @@ def make_loader(
             device's decoder does not take (PNG, WebP, CMYK) the workers still decode.  The
             crops and flips drawn are the same either way.  On the CPU, "device" decodes in
             this process with torchvision's decoder.
+        cache_dir, cache_limit, storage_options: for a URL (``s3://``, ``gs://``, ``https://``): the
+            node-local cache its parts are read through, its bound ("200GB"), and fsspec's options
+            (see ``open_archive``).  The parts the next batches read are fetched ahead, two at a
+            time.  With a cache smaller than the set, use ``shuffle="window"`` with a window of at
+            most half the parts the cache holds: each part is then fetched once an epoch.
 
     Images are uint8 [B,C,H,W] unless the transform changes them; labels are
     int64 [B] unless a transform that takes labels changes them.
@@ -488,7 +496,8 @@ def make_loader(
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
     asked = torch.device(device)
     device = resolve_device(asked)  # ValueError now when CUDA is asked for and absent
-    reader = _open_reader(source, format, verify)
+    reader = _open_reader(source, format, verify, cache_dir=cache_dir, cache_limit=cache_limit,
+                          storage_options=storage_options)
     decode_size = _check_size(reader, size)
     if (rank is None) != (world_size is None):
         raise ValueError("give both rank and world_size, or neither")
@@ -502,6 +511,9 @@ def make_loader(
     on_cpu = device.type == "cpu" and send == "batches"  # whether the workers make the batches whole
     sampler = BatchSampler(len(reader), batch_size, shuffle, drop_last, seed, rank, world, window=window,
                            starts=reader.part_starts)
+    if isinstance(reader.backend, storage.RemoteSetBackend):
+        sampler.prefetcher = storage.Prefetcher(reader.backend, lag=max(1, 2 * num_workers))  # prefetch_factor 2
+        storage.warn_if_cache_thrashes(reader.backend, shuffle, window, batch_size)
     batch_reader = BatchReader(
         reader, size=decode_size, resize_mode=resize_mode, transform=transform if on_cpu or send != "batches" else None,
         on_error=on_error, seed=seed, rank=rank, pin=device.type == "cuda" and num_workers == 0,
@@ -595,8 +607,8 @@ def _already_a_batch(item: Any) -> Any:
     return item
 
 
-def _open_reader(source: Any, format: Optional[str], verify: VerifyPolicy) -> Reader:
-    """A Reader of ``source`` of its own, applying ``verify``."""
+def _open_reader(source: Any, format: Optional[str], verify: VerifyPolicy, **remote: Any) -> Reader:
+    """A Reader of ``source`` of its own, applying ``verify`` (and, for a URL, the cache options ``remote``)."""
     reader = getattr(source, "reader", source)
     if isinstance(reader, Reader):
         if getattr(source, "transform", None) is not None:
@@ -604,7 +616,7 @@ def _open_reader(source: Any, format: Optional[str], verify: VerifyPolicy) -> Re
         return open_archive(reader.path, format=reader.format_name, verify=verify,
                             max_open_parts=given_max_open_parts(reader), **storage.reopen_options(reader))
     if isinstance(source, (str, os.PathLike)):
-        return open_archive(source, format=format, verify=verify)
+        return open_archive(source, format=format, verify=verify, **remote)
     raise TypeError(f"make_loader needs an archive path, a PackedDataset or a Reader, got {type(source).__name__}")
 
 

@@ -240,6 +240,8 @@ class BatchSampler(torch.utils.data.Sampler):
         self.epoch = 0
         self.start, self.first_batch, self.skip = 0, 0, 0
         self._on_set_epoch: Optional[weakref.WeakMethod[Callable[[int], None]]] = None
+        self.prefetcher: Any = None  # a remote set's: given the next batches' samples as each plan is made
+        self.ahead_batches = 4
 
     def call_on_set_epoch(self, method: Callable[[int], None]) -> None:
         """Hand ``set_epoch`` to ``method``, a bound method held weakly: its loader must go (workers
@@ -280,9 +282,17 @@ class BatchSampler(torch.utils.data.Sampler):
 
     def _plans(self, epoch: int, first_batch: int, skip: int, order_of: Callable[[], np.ndarray]
                ) -> Iterator[BatchPlan]:
-        order, bs = order_of(), self.batch_size
-        for k in range(skip, batch_count(len(order), bs, self.drop_last)):
-            yield BatchPlan(epoch, first_batch + k, order[k * bs : (k + 1) * bs])
+        order, bs, prefetcher = order_of(), self.batch_size, self.prefetcher
+        if prefetcher is not None:
+            prefetcher.new_epoch()
+        try:
+            for k in range(skip, batch_count(len(order), bs, self.drop_last)):
+                if prefetcher is not None:  # the parts of this batch and the next few, fetched while workers read
+                    prefetcher.ahead(order[k * bs : (k + 1 + self.ahead_batches) * bs])
+                yield BatchPlan(epoch, first_batch + k, order[k * bs : (k + 1) * bs])
+        finally:
+            if prefetcher is not None:
+                prefetcher.close()
 
     def split_batches(self, start: int = 0) -> int:
         """Batches of this rank's share of a split from position ``start`` (0: a whole epoch)."""

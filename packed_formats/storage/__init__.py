@@ -9,8 +9,16 @@ local archive or set into a store.  fsspec is the one layer for protocols; insta
 """
 
 from .cache import CACHE_DIR_VARIABLE, CACHE_LIMIT_VARIABLE, CacheOverLimitWarning, PartCache, parse_size
+from .prefetch import Prefetcher
 from .remote import ObjectInfo, Store
-from .remote_set import RemoteSetBackend, open_remote, reopen_options, stage_remote
+from .remote_set import (
+    CacheThrashWarning,
+    RemoteSetBackend,
+    open_remote,
+    reopen_options,
+    stage_remote,
+    warn_if_cache_thrashes,
+)
 from .upload import upload
 from .urls import clean_url, is_remote, redact
 
@@ -18,8 +26,10 @@ __all__ = [
     "CACHE_DIR_VARIABLE",
     "CACHE_LIMIT_VARIABLE",
     "CacheOverLimitWarning",
+    "CacheThrashWarning",
     "ObjectInfo",
     "PartCache",
+    "Prefetcher",
     "RemoteSetBackend",
     "Store",
     "clean_url",
@@ -30,4 +40,5 @@ __all__ = [
     "reopen_options",
     "stage_remote",
     "upload",
+    "warn_if_cache_thrashes",
 ]

@@ -7,6 +7,7 @@ Layout under the cache directory (``cache_dir=``, else ``PF_CACHE_DIR``, else
     <namespace>/.pf/<entry>.lock   its lock: shared while a process has it open, exclusive to fill or evict it
     <namespace>/.pf/<entry>.json   what it is (URL without credentials, size, ETag); mtime = last use
     <namespace>/.pf/tmp-*          downloads under way (never read: a part is moved into place only once checked)
+    downloads.jsonl                one line per download (URL, bytes, time): ``PartCache.downloads()``
 
 An entry's name carries a digest of the object's ETag, so a part that changed in the store is a
 new entry: a process still reading the old version keeps it, and nothing mixes the two.
@@ -52,6 +53,7 @@ CACHE_LIMIT_VARIABLE = "PF_CACHE_LIMIT"
 _META = ".pf"
 _UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9, "T": 10**12,
           "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+DOWNLOAD_LOG = "downloads.jsonl"  # one line per part downloaded, appended by every process
 POLL_S = 0.05  # how often a process waiting for another's download looks again
 
 
@@ -231,9 +233,33 @@ class PartCache:
             os.replace(temp, path)
         finally:
             _remove(temp)
-        data = json.dumps(dict(record, size=_disk_size(path), downloaded_by="packed_formats",
-                               downloaded_at=time.time()))
+        now, size = time.time(), _disk_size(path)
+        data = json.dumps(dict(record, size=size, downloaded_by="packed_formats", downloaded_at=now))
         _write_atomically(self._record_path(path), data)
+        line = json.dumps({"url": record.get("url"), "bytes": size, "at": now}) + "\n"
+        fd = os.open(os.path.join(self.directory, DOWNLOAD_LOG), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
+        try:
+            os.write(fd, line.encode())  # one write of one line: whole, even with other processes appending
+        finally:
+            os.close(fd)
+
+    def downloads(self, since: float = 0.0) -> List[Dict[str, Any]]:
+        """The downloads this cache made since the time ``since`` (URL, bytes, when), from every
+        process and job that uses it: how much a reading order costs."""
+        try:
+            with open(os.path.join(self.directory, DOWNLOAD_LOG)) as file:
+                lines = file.read().splitlines()
+        except FileNotFoundError:
+            return []
+        found = []
+        for line in lines:
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if entry.get("at", 0) >= since:
+                found.append(entry)
+        return found
 
     # ---- room ----
     def entries(self) -> List[Tuple[float, str, int]]:

@@ -3,7 +3,8 @@
 Every call runs on its own event loop in the calling thread (``asyncio.run``) with a fresh
 file system and session that it closes: no background thread of fsspec's is ever started, so
 nothing of ours is alive when DataLoader workers fork, and a forked or spawned process starts
-from a clean slate.
+from a clean slate.  Called where a loop already runs (a Jupyter cell, an asyncio
+application), the call's loop runs on a thread of its own, which ends with the call.
 
 Transient failures (5xx, throttling, reset connections, a body cut short, timeouts) are retried
 with exponential backoff and jitter; a download is fetched in ranges, each checked for its length.
@@ -16,11 +17,12 @@ Permanent failures raise named errors that give the URL without credentials:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import os
 import random
 import time
-from typing import Any, Awaitable, Callable, Dict, List, Optional, TypeVar
+from typing import Any, Awaitable, Callable, Dict, List, Optional, Tuple, TypeVar
 
 from ..errors import (
     MissingDependencyError,
@@ -35,7 +37,7 @@ from .urls import clean_url, filesystem, redact
 T = TypeVar("T")
 CHUNK_BYTES = 8 << 20  # one ranged GET
 CONCURRENT_RANGES = 4  # in flight per download
-ATTEMPTS = int(os.environ.get("PF_REMOTE_ATTEMPTS", "8"))  # tries of one request before RemoteUnavailableError
+ATTEMPTS = int(os.environ.get("PF_REMOTE_ATTEMPTS", "5"))  # tries of one request before RemoteUnavailableError
 BACKOFF_S = 0.1  # the first retry's wait; doubled each time, up to MAX_BACKOFF_S, with jitter
 MAX_BACKOFF_S = 8.0
 
@@ -118,6 +120,24 @@ async def _retrying(url: str, attempt: Callable[[], Awaitable[T]], what: str) ->
                                  hint="the store or the network is failing; the job can be resumed")
 
 
+_SESSIONS: Dict[int, Any] = {}
+
+
+def _botocore_session() -> Any:
+    """This process's aiobotocore session: its clients share the service models it loaded once (a
+    client of a fresh session costs a quarter of a second), and it belongs to no event loop."""
+    pid = os.getpid()
+    if pid not in _SESSIONS:
+        try:
+            from aiobotocore.session import AioSession
+        except ImportError:
+            raise MissingDependencyError(None, "s3:// needs s3fs (and aiobotocore)",
+                                         hint="pip install 'packed_formats[remote]'") from None
+        _SESSIONS.clear()
+        _SESSIONS[pid] = AioSession()
+    return _SESSIONS[pid]
+
+
 class Store:
     """One store location's objects (URLs), with the file system options to reach it."""
 
@@ -132,6 +152,8 @@ class Store:
 
         async def main() -> T:
             options = dict(self.storage_options, asynchronous=True, skip_instance_cache=True)
+            if url.startswith(("s3://", "s3a://")) and "session" not in options:
+                options["session"] = _botocore_session()
             fs, path = filesystem(url, options)
             session = None
             try:
@@ -145,7 +167,14 @@ class Store:
                     if asyncio.iscoroutine(result):
                         await result
 
-        return asyncio.run(main())
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # the usual case: no loop runs in this thread
+            return asyncio.run(main())
+        # called from code a loop is running (a notebook cell, an asyncio application): that loop
+        # cannot run ours, so ours runs on a thread of its own while this call waits for it
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="packed_formats-store") as pool:
+            return pool.submit(lambda: asyncio.run(main())).result()
 
     # ---- reading ----
     def info(self, url: str) -> ObjectInfo:
@@ -201,29 +230,41 @@ class Store:
                  on_bytes: Optional[Callable[[int], None]] = None) -> None:
         """Write the object to the local file ``target`` (created), checking that it is still
         ``expected`` (size and ETag) before and after: RemoteChangedError otherwise."""
-        url = clean_url(url)
+        self.download_all([(url, target, expected)], on_bytes)
 
-        async def body(fs: Any, path: str) -> None:
-            await _expect(fs, path, url, expected)
-            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                os.ftruncate(fd, expected.size)
-                gate = asyncio.Semaphore(CONCURRENT_RANGES)
+    def download_all(self, items: List[Tuple[str, str, ObjectInfo]],
+                     on_bytes: Optional[Callable[[int], None]] = None) -> None:
+        """``download`` of each (url, target, expected), all on one session (a folder's files)."""
+        if not items:
+            return
+        items = [(clean_url(url), target, expected) for url, target, expected in items]
 
-                async def one(start: int) -> None:
-                    async with gate:
-                        data = await _fetch(fs, path, url, start, min(expected.size, start + CHUNK_BYTES))
-                    os.pwrite(fd, data, start)
-                    if on_bytes is not None:
-                        on_bytes(len(data))
+        async def body(fs: Any, _: str) -> None:
+            gate = asyncio.Semaphore(CONCURRENT_RANGES)
 
-                await asyncio.gather(*(one(s) for s in range(0, expected.size, CHUNK_BYTES)))
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            await _expect(fs, path, url, expected)
+            async def one_object(url: str, target: str, expected: ObjectInfo) -> None:
+                path = fs._strip_protocol(url)
+                await _expect(fs, path, url, expected)
+                fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                try:
+                    os.ftruncate(fd, expected.size)
 
-        self.run(url, body)
+                    async def one_range(start: int) -> None:
+                        async with gate:
+                            data = await _fetch(fs, path, url, start, min(expected.size, start + CHUNK_BYTES))
+                        os.pwrite(fd, data, start)
+                        if on_bytes is not None:
+                            on_bytes(len(data))
+
+                    await asyncio.gather(*(one_range(s) for s in range(0, expected.size, CHUNK_BYTES)))
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                await _expect(fs, path, url, expected)
+
+            await asyncio.gather(*(one_object(*item) for item in items))
+
+        self.run(items[0][0], body)
 
     # ---- writing ----
     def upload(self, local: str, url: str) -> ObjectInfo:

@@ -135,6 +135,39 @@ def stage_remote(url: str, to: str, storage_options: Optional[Dict[str, Any]] = 
         reader.close()
 
 
+class CacheThrashWarning(UserWarning):
+    """The reading order will download parts again and again: the cache is smaller than what it reads."""
+
+
+def warn_if_cache_thrashes(backend: "RemoteSetBackend", shuffle: Any, window: int, batch_size: int) -> None:
+    """Warn, with the cost, when a global shuffle (or a window too large) meets a cache smaller than the set."""
+    import warnings
+
+    from ..space import human_bytes
+
+    limit, parts = backend.cache.limit, len(backend.remote_parts)
+    total = sum(p.info.size for p in backend.remote_parts)
+    if limit is None or limit >= total or parts <= 1 or not shuffle:
+        return
+    per_part, fits = total / parts, max(1, int(limit // max(1.0, total / parts)))
+    if shuffle == "window":
+        if 2 * window <= fits:
+            return
+        warnings.warn(f"{backend.url}: a window of {window} parts (two windows are read at a window's end) does "
+                      f"not fit the cache of {human_bytes(limit)} ({fits} parts of about {human_bytes(per_part)}): "
+                      f"parts will be fetched more than once an epoch; use window={max(1, fits // 2)} or a larger "
+                      "cache_limit", CacheThrashWarning, stacklevel=3)
+        return
+    batches = max(1, len(backend) // batch_size)
+    touched = parts * (1 - (1 - 1 / parts) ** min(batch_size, len(backend)))  # parts a random batch reads
+    downloaded = batches * touched * (1 - fits / parts) * per_part
+    warnings.warn(
+        f"{backend.url}: a global shuffle over {human_bytes(total)} in {parts} parts with a cache of "
+        f"{human_bytes(limit)} downloads about {human_bytes(downloaded)} an epoch ({downloaded / total:.1f}x the "
+        f"set): most batches read parts the cache has let go. shuffle='window' with window={max(1, fits // 2)} "
+        "fetches each part once an epoch", CacheThrashWarning, stacklevel=3)
+
+
 def reopen_options(reader: Reader) -> Dict[str, Any]:
     """What ``open_archive`` needs besides the path to open ``reader``'s archive again as it was opened:
     a remote set's cache and file system options (nothing for a local archive)."""
@@ -312,8 +345,20 @@ class RemoteSetBackend(ShardedBackend):
     def data_file(self) -> Optional[str]:
         return None
 
+    def parts_that_fit(self) -> Optional[int]:
+        """How many parts (of the average size) the cache's bound holds (None: no bound)."""
+        if self.cache.limit is None:
+            return None
+        average = sum(p.info.size for p in self.remote_parts) / max(1, len(self.remote_parts))
+        return max(1, int(self.cache.limit // max(1.0, average)))
+
     def open_part_bound(self) -> int:
-        return self.max_open_parts if self.max_open_parts is not None else DEFAULT_OPEN_PARTS
+        """Parts each process holds at once: given, else 4, or a quarter of what a bounded cache holds
+        (the workers' parts, and those fetched ahead, must fit it together)."""
+        if self.max_open_parts is not None:
+            return self.max_open_parts
+        fits = self.parts_that_fit()
+        return DEFAULT_OPEN_PARTS if fits is None else max(1, min(DEFAULT_OPEN_PARTS, fits // 4))
 
     @contextlib.contextmanager
     def _part(self, p: int) -> Iterator[Reader]:
@@ -383,11 +428,15 @@ class RemoteSetBackend(ShardedBackend):
 
         return Reader(path, spec(self.part_format).backend, verify=False)
 
-    def fetch(self, p: int) -> None:
-        """Make sure part p is in the cache (download it if not), without holding it: what prefetching does."""
+    def pin(self, p: int) -> Lease:
+        """A lease on part p in the cache (downloaded first if missing): what prefetching holds."""
         part = self.remote_parts[p]
-        self.cache.acquire(self.entry_path(p), part.info.size, functools.partial(self._fill, p),
-                           self._record(p)).release()
+        return self.cache.acquire(self.entry_path(p), part.info.size, functools.partial(self._fill, p),
+                                  self._record(p))
+
+    def fetch(self, p: int) -> None:
+        """Make sure part p is in the cache (download it if not), without holding it."""
+        self.pin(p).release()
 
     def _fill(self, p: int, temp: str) -> None:
         """Download part p to ``temp`` and check it; fetched again while its content fails its checks."""
@@ -436,10 +485,12 @@ def _download(store: Store, part: RemotePart, temp: str) -> None:
         store.download(part.url, temp, part.info)
         return
     os.makedirs(temp, exist_ok=True)
+    items = []
     for relative, info in part.files.items():
         target = os.path.join(temp, relative)
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        store.download(f"{part.url}/{relative}", target, info)
+        items.append((f"{part.url}/{relative}", target, info))
+    store.download_all(items)
 
 
 def _index_by_fetching(url: str, part_format: str, parts: List[RemotePart], cache: PartCache, store: Store
