@@ -261,8 +261,12 @@ def test_a_full_cache_disk_raises_insufficient_space_and_leaves_nothing(s3_env, 
 # ---- faults ---------------------------------------------------------------------------------------
 def test_transient_faults_are_retried_and_no_corrupt_sample_is_returned(s3_env, s3_proxy, local_sets,
                                                                         remote_sets, tmp_path, monkeypatch):
+    import s3fs
+
     proxy = s3_proxy(rate=0.3, seed=7)
     proxy.use_env(monkeypatch)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # botocore's own retries and s3fs's: ours are under test
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
     monkeypatch.setattr(remote_module, "BACKOFF_S", 0.01)
     with pf.open_archive(remote_sets["hdf5"][0], cache_dir=tmp_path) as remote, \
             pf.open_archive(local_sets["hdf5"][0]) as local:
