@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Streaming peers side by side: litdata and mosaic streaming read the same photos from the same
+# Streaming readers side by side: packed_formats, litdata and mosaic streaming read the same photos from the same
 # local S3 server (moto), with a cache of a quarter of the set: images/s of a cold first epoch
 # and of the second, and bytes downloaded per epoch over the set's size
 # (packed_formats/bench/peers.py says how each peer is driven and measured).
@@ -10,7 +10,7 @@
 # once (torch from constraints.txt, then litdata, mosaicml-streaming, moto[server], s3fs); they
 # are never installed into the project's environment.  Without IMAGES_DIR, 3,000 small
 # photographic JPEGs are drawn into OUT_DIR/photos with the project's Python (PYTHON, default
-# .venv/bin/python).  Writes OUT_DIR/litdata.json and OUT_DIR/mosaic.json and prints them.
+# .venv/bin/python, which also runs packed_formats' reader).  Writes OUT_DIR/<reader>.json and prints them.
 # EPOCHS, BATCH_SIZE, WORKERS and CACHE_FRACTION (default 2, 64, 2, 0.25) tune the runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -43,8 +43,10 @@ for _ in $(seq 100); do
 done
 
 status=0
-for peer in litdata mosaic; do
-    PYTHONSAFEPATH=1 "$venv/bin/python" "$root/packed_formats/bench/peers.py" --peer "$peer" --images "$images" \
+for peer in packed_formats litdata mosaic; do
+    runner=$venv/bin/python
+    [ "$peer" != packed_formats ] || runner=$python  # ours runs in the project's environment
+    PYTHONSAFEPATH=1 "$runner" "$root/packed_formats/bench/peers.py" --peer "$peer" --images "$images" \
         --remote "s3://peers-bench/$peer" --endpoint "$endpoint" --cache-fraction "${CACHE_FRACTION:-0.25}" \
         --epochs "${EPOCHS:-2}" --batch-size "${BATCH_SIZE:-64}" --workers "${WORKERS:-2}" \
         --json "$out/$peer.json" >"$out/$peer.log" 2>&1 || status=1

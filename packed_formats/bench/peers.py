@@ -60,7 +60,7 @@ from urllib.parse import urlsplit
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-PEERS = ("litdata", "mosaic")
+PEERS = ("litdata", "mosaic", "packed_formats")
 IMAGE_SUFFIXES = (".jpg", ".jpeg")
 # Hop-by-hop headers (RFC 9110 7.6.1) are not forwarded; Expect is answered by the proxy itself.
 _HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -407,14 +407,54 @@ def _context(options: argparse.Namespace) -> Dict[str, Any]:
     return {"multiprocessing_context": multiprocessing.get_context(options.start_method)}
 
 
-WRITERS = {"litdata": litdata_write, "mosaic": mosaic_write}
-LOADERS = {"litdata": litdata_loader, "mosaic": mosaic_loader}
+def ours_write(items: List[Tuple[str, int]], out: str, shard_bytes: int, workers: int) -> None:
+    """The same JPEG files, bytes unchanged, as an encoded sharded ZIP set of parts of about ``shard_bytes``."""
+    import packed_formats as pf
+
+    folder = os.path.join(out + "-images")
+    for k, (path, label) in enumerate(items):  # an ImageFolder of links: the same bytes, the same labels
+        target = os.path.join(folder, f"{label:05d}", f"{k:08d}{os.path.splitext(path)[1]}")
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.symlink(os.path.abspath(path), target)
+    mean = sum(os.path.getsize(p) for p, _ in items) / max(1, len(items))
+    os.makedirs(out)
+    pf.convert(folder, os.path.join(out, "train.zip"), mode="encoded", shard_size=max(1, int(shard_bytes // mean)),
+               workers=max(1, workers), quiet=True)
+
+
+def ours_upload(written: str, remote: str, endpoint: str) -> int:
+    """storage.upload: the parts, the set's sample index, its index last."""
+    from packed_formats import storage
+
+    os.environ["AWS_ENDPOINT_URL"] = endpoint
+    urls = storage.upload(os.path.join(written, "train.zip"), f"{remote.rstrip('/')}/train.zip")
+    return sum(storage.Store().info(url).size for url in urls)
+
+
+def ours_loader(remote: str, cache: str, cache_bytes: int, endpoint: str, options: argparse.Namespace) -> Any:
+    """make_loader over the set's URL: JPEGs decoded and resized to ``size`` in the workers, and a window
+    shuffle of half the parts the cache holds (the order that fits a bounded cache)."""
+    import packed_formats as pf
+
+    os.environ["AWS_ENDPOINT_URL"] = endpoint
+    url = f"{remote.rstrip('/')}/train.zip"
+    with pf.open_archive(url, cache_dir=cache, verify=False) as reader:
+        backend: Any = reader.backend
+        fits = backend.parts_that_fit() if cache_bytes else None
+    window = max(1, (fits or 2) // 2)
+    return pf.make_loader(url, batch_size=options.batch_size, num_workers=options.workers, size=options.size,
+                          shuffle="window" if options.shuffle else False, window=window, seed=options.seed,
+                          cache_dir=cache, cache_limit=cache_bytes or None, **_context(options))
+
+
+WRITERS = {"litdata": litdata_write, "mosaic": mosaic_write, "packed_formats": ours_write}
+LOADERS = {"litdata": litdata_loader, "mosaic": mosaic_loader, "packed_formats": ours_loader}
 
 
 def peer_version(peer: str) -> str:
     from importlib.metadata import version
 
-    return version({"litdata": "litdata", "mosaic": "mosaicml-streaming"}[peer])
+    return version({"litdata": "litdata", "mosaic": "mosaicml-streaming", "packed_formats": "packed_formats"}[peer])
 
 
 # --- one run ---------------------------------------------------------------------------------------------
@@ -438,7 +478,8 @@ def run(options: argparse.Namespace) -> Dict[str, Any]:
         WRITERS[options.peer](items, written, shard_bytes, options.workers)
         write_s = time.perf_counter() - start
         start = time.perf_counter()
-        remote_bytes = upload_folder(written, options.remote, options.endpoint)
+        upload = ours_upload if options.peer == "packed_formats" else upload_folder
+        remote_bytes = upload(written, options.remote, options.endpoint)
         upload_s = time.perf_counter() - start
         cache_bytes = options.cache_bytes or int(remote_bytes * options.cache_fraction)
         cache = os.path.join(work, "cache")

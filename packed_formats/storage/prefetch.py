@@ -40,6 +40,8 @@ class Prefetcher:
         fits = backend.parts_that_fit()
         # parts queued past the one the look-ahead starts in: a bounded cache must keep what is read now
         self.most_ahead = MOST_AHEAD_PARTS if fits is None else min(MOST_AHEAD_PARTS, fits // 4)
+        # parts pinned at once: the look-ahead's first, then the latest plans' (the workers hold their own)
+        self.most_pinned = 4 * MOST_AHEAD_PARTS if fits is None else max(1, fits // 4)
         self._lock = threading.Lock()
         self._queue: Deque[int] = collections.deque()
         self._wanted: Set[int] = set()  # parts to hold: in the look-ahead, or in it within the last `lag` plans
@@ -78,10 +80,13 @@ class Prefetcher:
             self._recent.append(now)
             while len(self._recent) > self.lag + 1:
                 self._recent.popleft()
-            self._wanted = {p for plan in self._recent for p in plan}
+            wanted: List[int] = []
+            for plan in reversed(self._recent):  # this plan's parts first, then the latest plans' before it
+                wanted.extend(p for p in plan if p not in wanted)
+            self._wanted = set(wanted[: self.most_pinned])
             released = [self._pinned.pop(p) for p in list(self._pinned) if p not in self._wanted]
             for p in now:
-                if p not in self._pinned and p not in self._queued:
+                if p in self._wanted and p not in self._pinned and p not in self._queued:
                     self._queued.add(p)
                     self._queue.append(p)
             while self._running < self.concurrency and self._queue:
