@@ -41,6 +41,7 @@ from .errors import (
     PackedFormatError,
     RemoteNotFoundError,
 )
+from .handles import pid_alive
 from .manifest import MODES
 from .parallel import WorkerDiedError, available_cores, ordered_map
 from .policy import RESIZE_MODES
@@ -603,20 +604,10 @@ def clean_stale_temp_files(dst: "str | os.PathLike[str]") -> List[str]:
         entries = list(listing)
     for entry in entries:
         match = _TEMP_NAME.match(entry.name)
-        if match and (match["name"] == name or part.fullmatch(match["name"])) and not _pid_alive(int(match["pid"])):
+        if match and (match["name"] == name or part.fullmatch(match["name"])) and not pid_alive(int(match["pid"])):
             remove_path(entry.path)
             removed.append(entry.path)
     return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @contextlib.contextmanager

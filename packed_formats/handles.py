@@ -245,3 +245,13 @@ class _Borrowed:
     def __exit__(self, *exc: Any) -> None:
         self.claim.release()
 
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this machine (another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -37,7 +37,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import tempfile
 import threading
 import time
@@ -45,7 +44,9 @@ import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
+from ..backends.base import remove_path
 from ..errors import DestinationError
+from ..handles import pid_alive
 from ..space import check_free_space, human_bytes
 
 CACHE_DIR_VARIABLE = "PF_CACHE_DIR"
@@ -225,14 +226,14 @@ class PartCache:
         check_free_space(self.directory, size, f"cache {name}", hint="free space there, set a smaller cache_limit, "
                          f"or another cache_dir ({CACHE_DIR_VARIABLE})")
         temp = os.path.join(folder, _META, f"tmp-{os.getpid()}-{threading.get_ident()}-{name}")
-        _remove(temp)
-        _remove(self._record_path(path))
+        remove_path(temp)
+        remove_path(self._record_path(path))
         try:
             fill(temp)
-            _remove(path)  # a stale or incomplete copy, which nobody holds (we hold its lock exclusively)
+            remove_path(path)  # a stale or incomplete copy, which nobody holds (we hold its lock exclusively)
             os.replace(temp, path)
         finally:
-            _remove(temp)
+            remove_path(temp)
         now, size = time.time(), _disk_size(path)
         data = json.dumps(dict(record, size=size, downloaded_by="packed_formats", downloaded_at=now))
         _write_atomically(self._record_path(path), data)
@@ -314,8 +315,8 @@ class PartCache:
             if not _try_exclusive(fd):
                 return False
             try:
-                _remove(self._record_path(path))
-                _remove(path)
+                remove_path(self._record_path(path))
+                remove_path(path)
             finally:
                 fcntl.flock(fd, fcntl.LOCK_UN)
             return True
@@ -333,8 +334,8 @@ class PartCache:
         """Remove downloads whose process is gone (killed mid-download)."""
         for temp in list(self._temps()):
             pid = temp.rsplit(os.sep, 1)[-1].split("-")[1]
-            if pid.isdigit() and not _alive(int(pid)):
-                _remove(temp)
+            if pid.isdigit() and not pid_alive(int(pid)):
+                remove_path(temp)
 
 
 def _namespaces(directory: str) -> Iterator[str]:
@@ -372,16 +373,6 @@ class _exclusive:
         os.close(self.fd)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _disk_size(path: str) -> int:
     if os.path.isdir(path) and not os.path.islink(path):
         return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
@@ -389,16 +380,6 @@ def _disk_size(path: str) -> int:
         return os.path.getsize(path)
     except OSError:
         return 0
-
-
-def _remove(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        try:
-            os.remove(path)
-        except FileNotFoundError:
-            pass
 
 
 def _write_atomically(path: str, text: str) -> None:
