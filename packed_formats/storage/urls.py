@@ -35,7 +35,7 @@ def is_remote(path: Any) -> bool:
 
 
 def redact(text: str) -> str:
-    """``text`` with every URL's user name/password and signed query parameters replaced by '***'."""
+    """``text`` with every URL's user name, password and signed query parameters replaced by ``***``."""
     text = _USERINFO.sub(r"\1***@", text)
     return _SECRET_PARAMETER.sub(r"\1***", text)
 
