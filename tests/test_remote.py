@@ -379,3 +379,15 @@ def test_convert_reads_a_tar_in_a_bucket_and_writes_a_set_to_one(s3, s3_env, loc
     with pytest.raises(pf.ArchiveExistsError):
         pf.convert(f"s3://{bucket}/src/images.tar", f"s3://{bucket}/out/train.zip", mode="raw", size=16,
                    workers=1, subdir="images", quiet=True)
+
+
+@pytest.mark.slow
+def test_bench_measures_a_remote_set_per_epoch(s3, remote_sets, tmp_path):
+    out = tmp_path / "remote.json"
+    done = subprocess.run([sys.executable, "-m", "packed_formats", "bench", remote_sets["zip"][0], "--workers", "0",
+                           "--epochs", "2", "--batch-size", "4", "--cache-limit", "20KB", "--out", str(out)],
+                          capture_output=True, text=True, env=s3.subprocess_env(), timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())
+    assert [r["epoch"] for r in rows] == [1, 2] and all(r["samples"] == SAMPLES for r in rows)
+    assert all(0.5 <= r["downloaded_over_set"] <= 1.05 for r in rows) and "window" in done.stdout
