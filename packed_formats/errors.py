@@ -248,8 +248,9 @@ class RemoteUnavailableError(RemoteError):
     """The store kept failing (5xx, reset connections, bodies cut short) through every retry."""
 
 
-class MissingDependencyError(PackedFormatError, ImportError):
-    """An optional dependency this use needs is not installed (the error says which extra installs it)."""
+class MissingDependencyError(PackedFormatError):
+    """An optional dependency this use needs is not installed (the error says which extra installs it).
+    Not an ImportError: that class keeps a ``path`` of its own (the module's), where ours names the archive."""
 
 
 class DataLoaderWorkerError(PackedFormatError):
