@@ -472,7 +472,7 @@ def make_loader(
             this process with torchvision's decoder.
         cache_dir, cache_limit, storage_options: for a URL (``s3://``, ``gs://``, ``https://``): the
             node-local cache its parts are read through, its bound ("200GB"), and fsspec's options
-            (see ``open_archive``).  The parts the next batches read are fetched ahead, two at a
+            (see ``open_archive``).  The parts the next batches read are fetched ahead, four at a
             time.  With a cache smaller than the set, use ``shuffle="window"`` with a window of at
             most half the parts the cache holds: each part is then fetched once an epoch.
 
@@ -512,6 +512,8 @@ def make_loader(
     sampler = BatchSampler(len(reader), batch_size, shuffle, drop_last, seed, rank, world, window=window,
                            starts=reader.part_starts)
     if isinstance(reader.backend, storage.RemoteSetBackend):
+        if shuffle == "window" and given_max_open_parts(reader) is None:  # a batch reads up to a window and one
+            reader.backend.limit_open_parts(window + 1)  # parts: closing one mid-batch only to open it again
         sampler.prefetcher = storage.Prefetcher(reader.backend, lag=max(1, 2 * num_workers))  # prefetch_factor 2
         storage.warn_if_cache_thrashes(reader.backend, shuffle, window, batch_size)
     batch_reader = BatchReader(

@@ -287,8 +287,8 @@ class BatchSampler(torch.utils.data.Sampler):
             prefetcher.new_epoch()
         try:
             for k in range(skip, batch_count(len(order), bs, self.drop_last)):
-                if prefetcher is not None:  # the parts of this batch and the next few, fetched while workers read
-                    prefetcher.ahead(order[k * bs : (k + 1 + self.ahead_batches) * bs])
+                if prefetcher is not None:  # this batch's parts kept, the next few batches' fetched meanwhile
+                    prefetcher.ahead(order[k * bs : (k + 1 + self.ahead_batches) * bs], current=bs)
                 yield BatchPlan(epoch, first_batch + k, order[k * bs : (k + 1) * bs])
         finally:
             if prefetcher is not None:

@@ -426,6 +426,12 @@ def ours_upload(written: str, remote: str, endpoint: str) -> int:
     """storage.upload: the parts, the set's sample index, its index last."""
     from packed_formats import storage
 
+    bucket, _ = split_remote(remote)
+    client = s3_client(endpoint)
+    try:
+        client.head_bucket(Bucket=bucket)
+    except Exception:  # absent (the same as upload_folder does)
+        client.create_bucket(Bucket=bucket)
     os.environ["AWS_ENDPOINT_URL"] = endpoint
     urls = storage.upload(os.path.join(written, "train.zip"), f"{remote.rstrip('/')}/train.zip")
     return sum(storage.Store().info(url).size for url in urls)

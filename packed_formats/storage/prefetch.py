@@ -2,7 +2,7 @@
 
 The loader's sampler runs in the main process, a few batches ahead of the workers (DataLoader
 asks for ``prefetch_factor`` batches per worker).  For a remote set it hands each plan's
-look-ahead (the sample order of this batch and the next few) to a ``Prefetcher``, which
+look-ahead (the sample order of the next few batches) to a ``Prefetcher``, which
 downloads the parts those samples live in, in the order they are first read, into the
 node-local cache with at most ``concurrency`` downloads at once.  A worker that needs a part
 being downloaded waits for it (the part's lock); one in the cache is read at once.
@@ -24,7 +24,7 @@ from typing import Any, Deque, Dict, List, Set
 
 import numpy as np
 
-DEFAULT_CONCURRENCY = 2
+DEFAULT_CONCURRENCY = 4  # small parts are latency-bound: a few requests in flight
 MOST_AHEAD_PARTS = 4
 
 
@@ -70,12 +70,15 @@ class Prefetcher:
 
     close = new_epoch
 
-    def ahead(self, order: np.ndarray) -> None:
-        """The next plan's look-ahead: fetch and pin the parts of the samples ``order`` (first read first)."""
+    def ahead(self, order: np.ndarray, current: int = 0) -> None:
+        """A plan's look-ahead: pin the parts of the samples ``order`` (first read first), and fetch
+        those past its first ``current`` samples (the batch about to be read, which fetches its own)."""
         starts = self.backend.starts
         owners = np.searchsorted(starts, np.asarray(order), side="right") - 1 if len(order) else np.zeros(0, int)
         parts, first = np.unique(owners, return_index=True)
-        now = parts[np.argsort(first, kind="stable")][: 1 + self.most_ahead].tolist()
+        ordered = parts[np.argsort(first, kind="stable")].tolist()
+        reading = set(owners[:current].tolist())
+        now = [p for p in ordered if p in reading] + [p for p in ordered if p not in reading][: 1 + self.most_ahead]
         with self._lock:
             self._recent.append(now)
             while len(self._recent) > self.lag + 1:
@@ -83,10 +86,10 @@ class Prefetcher:
             wanted: List[int] = []
             for plan in reversed(self._recent):  # this plan's parts first, then the latest plans' before it
                 wanted.extend(p for p in plan if p not in wanted)
-            self._wanted = set(wanted[: self.most_pinned])
+            self._wanted = set(wanted[: self.most_pinned + len(reading)])
             released = [self._pinned.pop(p) for p in list(self._pinned) if p not in self._wanted]
             for p in now:
-                if p in self._wanted and p not in self._pinned and p not in self._queued:
+                if p not in reading and p in self._wanted and p not in self._pinned and p not in self._queued:
                     self._queued.add(p)
                     self._queue.append(p)
             while self._running < self.concurrency and self._queue:

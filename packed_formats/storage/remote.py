@@ -1,10 +1,11 @@
 """Objects in a store, read and written through fsspec, with retries and named errors.
 
-Every call runs on its own event loop in the calling thread (``asyncio.run``) with a fresh
-file system and session that it closes: no background thread of fsspec's is ever started, so
-nothing of ours is alive when DataLoader workers fork, and a forked or spawned process starts
-from a clean slate.  Called where a loop already runs (a Jupyter cell, an asyncio
-application), the call's loop runs on a thread of its own, which ends with the call.
+Every call runs on an event loop in the calling thread, taken from this process's idle ones
+(``_LoopPool``), with the file system and session that loop keeps: no background thread of
+fsspec's is ever started and no loop runs between calls, so nothing of ours is alive when
+DataLoader workers fork, and a forked or spawned process starts from a clean slate.  Called
+where a loop already runs (a Jupyter cell, an asyncio application), the call's loop runs on a
+thread of its own, which ends with the call.
 
 Transient failures (5xx, throttling, reset connections, a body cut short, timeouts) are retried
 with exponential backoff and jitter; a download is fetched in ranges, each checked for its length.
@@ -17,10 +18,12 @@ Permanent failures raise named errors that give the URL without credentials:
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import dataclasses
 import os
 import random
+import threading
 import time
 from typing import Any, Awaitable, Callable, Dict, List, Optional, Tuple, TypeVar
 
@@ -121,6 +124,77 @@ async def _retrying(url: str, attempt: Callable[[], Awaitable[T]], what: str) ->
 
 
 _SESSIONS: Dict[int, Any] = {}
+_CONFIGURING = ("AWS_", "BOTO_", "GOOGLE_", "GCE_", "FSSPEC_", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY")
+
+
+class _PooledLoop:
+    """An event loop that runs only during a call, with the file systems (and sessions) made on it."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.filesystems: Dict[Any, Any] = {}
+        self.sessions: List[Any] = []
+
+    async def _close_sessions(self) -> None:
+        for session in self.sessions:
+            close = getattr(session, "close", None)
+            if close is not None:
+                result = close()
+                if asyncio.iscoroutine(result):
+                    await result
+
+    def close(self) -> None:
+        try:
+            self.loop.run_until_complete(asyncio.wait_for(self._close_sessions(), 5))
+        except Exception:  # noqa: BLE001 - closing at exit: a dead connection must not stop it
+            pass
+        self.loop.close()
+
+
+class _LoopPool:
+    """This process's idle event loops: a call takes one (or makes one), runs on it in its own thread,
+    and gives it back, so concurrent calls (prefetch threads) each have a loop and none is kept by a
+    thread that has ended.  No loop runs between calls, so no thread of ours exists then; a forked
+    child starts with an empty pool (it never touches the parent's connections), and the loops'
+    sessions are closed when the process exits."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.idle: List[_PooledLoop] = []
+        self.every: List[_PooledLoop] = []
+        self.pid = os.getpid()
+
+    def run(self, main: Callable[[_PooledLoop], Awaitable[T]]) -> T:
+        with self.lock:
+            if self.pid != os.getpid():
+                self.__init__()  # type: ignore[misc]
+            pooled = self.idle.pop() if self.idle else None
+            if pooled is None:
+                pooled = _PooledLoop()
+                self.every.append(pooled)
+        try:
+            return pooled.loop.run_until_complete(main(pooled))
+        finally:
+            with self.lock:
+                if self.pid == os.getpid():
+                    self.idle.append(pooled)
+
+    def close(self) -> None:
+        """Close every loop's sessions and the loops (at exit)."""
+        with self.lock:
+            pooled, self.idle, self.every = (self.every if self.pid == os.getpid() else []), [], []
+        for one in pooled:
+            one.close()
+
+    def forget(self) -> None:
+        """In a forked child: the parent's loops are the parent's (their connections too)."""
+        self.lock = threading.Lock()
+        self.idle, self.every, self.pid = [], [], os.getpid()
+
+
+_POOL = _LoopPool()
+os.register_at_fork(after_in_child=_POOL.forget)
+atexit.register(_POOL.close)
 
 
 def _botocore_session() -> Any:
@@ -148,33 +222,33 @@ class Store:
         return self.__dict__.copy()
 
     def run(self, url: str, body: Callable[[Any, str], Awaitable[T]]) -> T:
-        """``body(fs, path)`` on a fresh event loop and file system, its session closed at the end."""
+        """``body(fs, path)`` on an event loop of this process's idle ones (``_LoopPool``), with the file
+        system (and its connections) that loop keeps for these options: a client is made once per loop,
+        not per call (making one costs tens of milliseconds of CPU, more than a small part's download)."""
+        options = dict(self.storage_options, asynchronous=True, skip_instance_cache=True)
+        if url.startswith(("s3://", "s3a://")) and "session" not in options:
+            options["session"] = _botocore_session()
+        # the environment is part of what a file system was made with (endpoint, credentials, profile)
+        environment = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(_CONFIGURING)))
+        key = (url.split("://", 1)[0].lower(), repr(sorted(self.storage_options.items())), environment)
 
-        async def main() -> T:
-            options = dict(self.storage_options, asynchronous=True, skip_instance_cache=True)
-            if url.startswith(("s3://", "s3a://")) and "session" not in options:
-                options["session"] = _botocore_session()
-            fs, path = filesystem(url, options)
-            session = None
-            try:
+        async def main(loop: "_PooledLoop") -> T:
+            fs = loop.filesystems.get(key)
+            if fs is None:
+                fs, _ = filesystem(url, options)
                 if hasattr(fs, "set_session"):
-                    session = await fs.set_session()
-                return await body(fs, path)
-            finally:
-                close = getattr(session, "close", None)
-                if close is not None:
-                    result = close()
-                    if asyncio.iscoroutine(result):
-                        await result
+                    loop.sessions.append(await fs.set_session())
+                loop.filesystems[key] = fs
+            return await body(fs, fs._strip_protocol(url))
 
         try:
             asyncio.get_running_loop()
         except RuntimeError:  # the usual case: no loop runs in this thread
-            return asyncio.run(main())
+            return _POOL.run(main)
         # called from code a loop is running (a notebook cell, an asyncio application): that loop
         # cannot run ours, so ours runs on a thread of its own while this call waits for it
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="packed_formats-store") as pool:
-            return pool.submit(lambda: asyncio.run(main())).result()
+            return pool.submit(_POOL.run, main).result()
 
     # ---- reading ----
     def info(self, url: str) -> ObjectInfo:
@@ -228,8 +302,8 @@ class Store:
 
     def download(self, url: str, target: str, expected: ObjectInfo,
                  on_bytes: Optional[Callable[[int], None]] = None) -> None:
-        """Write the object to the local file ``target`` (created), checking that it is still
-        ``expected`` (size and ETag) before and after: RemoteChangedError otherwise."""
+        """Write the object to the local file ``target`` (created), checking first that it is still
+        ``expected`` (size and ETag): RemoteChangedError otherwise."""
         self.download_all([(url, target, expected)], on_bytes)
 
     def download_all(self, items: List[Tuple[str, str, ObjectInfo]],
@@ -260,7 +334,8 @@ class Store:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
-                await _expect(fs, path, url, expected)
+                # no second HEAD: content replaced mid-download fails the part's checks on arrival
+                # (its CRCs and index against the set's), and the next try's HEAD names the change
 
             await asyncio.gather(*(one_object(*item) for item in items))
 
