@@ -136,8 +136,11 @@ def test_info_verify_and_stage_take_a_url(s3, remote_sets, local_sets, tmp_path)
 @pytest.mark.slow
 @pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
 def test_a_loader_with_workers_reads_every_sample_once(context, s3_env, local_sets, remote_sets, tmp_path):
+    # workers of a forkserver started earlier in the session have its environment, not this test's:
+    # the endpoint and keys travel with the loader as storage options (as a user's would)
+    options = {"endpoint_url": s3_env.endpoint_url, "key": "testing", "secret": "testing"}
     loader = pf.make_loader(remote_sets["lmdb"][0], batch_size=5, num_workers=2, cache_dir=tmp_path,
-                            multiprocessing_context=context, return_index=True)
+                            multiprocessing_context=context, return_index=True, storage_options=options)
     with pf.open_archive(local_sets["lmdb"][0]) as local:
         for _ in range(2):
             seen = []
