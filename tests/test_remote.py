@@ -396,3 +396,10 @@ def test_bench_measures_a_remote_set_per_epoch(s3, remote_sets, tmp_path):
     rows = json.loads(out.read_text())
     assert [r["epoch"] for r in rows] == [1, 2] and all(r["samples"] == SAMPLES for r in rows)
     assert all(0.5 <= r["downloaded_over_set"] <= 1.05 for r in rows) and "window" in done.stdout
+
+
+def test_missing_credentials_are_an_access_error_not_retried(tmp_path):
+    from botocore.exceptions import NoCredentialsError
+
+    error = remote_module._classify(NoCredentialsError(), "s3://bucket/train.zip")
+    assert isinstance(error, pf.RemoteAccessError) and "storage_options" in str(error)

@@ -66,6 +66,11 @@ def object_info(info: Dict[str, Any]) -> ObjectInfo:
     return ObjectInfo(int(info.get("size") or 0), etag.strip('"'))
 
 
+# botocore's (and google-auth's) errors for credentials that are absent or cannot be read: no retry helps
+_NO_CREDENTIALS = ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError",
+                   "DefaultCredentialsError")
+
+
 class _Transient(Exception):
     """A failure worth another try (wraps the original)."""
 
@@ -80,6 +85,10 @@ def _classify(exc: BaseException, url: str) -> BaseException:
     if isinstance(exc, PermissionError):
         return RemoteAccessError(url, f"the store refused access ({text})",
                                  hint="check the credentials this process has (environment, profile files)")
+    if type(exc).__name__ in _NO_CREDENTIALS:
+        return RemoteAccessError(url, f"no credentials for the store ({text})",
+                                 hint="set the protocol's usual configuration (AWS_ACCESS_KEY_ID and "
+                                      "AWS_SECRET_ACCESS_KEY, a profile) or pass storage_options")
     status = _http_status(exc)
     if status in (401, 403):
         return RemoteAccessError(url, f"the store refused access (HTTP {status})",
