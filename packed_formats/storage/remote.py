@@ -227,9 +227,6 @@ class Store:
     def __init__(self, storage_options: Optional[Dict[str, Any]] = None) -> None:
         self.storage_options = dict(storage_options or {})
 
-    def __getstate__(self) -> Dict[str, Any]:
-        return self.__dict__.copy()
-
     def run(self, url: str, body: Callable[[Any, str], Awaitable[T]]) -> T:
         """``body(fs, path)`` on an event loop of this process's idle ones (``_LoopPool``), with the file
         system (and its connections) that loop keeps for these options: a client is made once per loop,
@@ -265,7 +262,7 @@ class Store:
         url = clean_url(url)
 
         async def body(fs: Any, path: str) -> ObjectInfo:
-            details = await _retrying(url, lambda: fs._info(path), "asking for the object's size")
+            details = await ainfo(fs, path, url)
             if details.get("type") == "directory":
                 raise RemoteNotFoundError(url, "a directory (prefix), not an object")
             return object_info(details)
@@ -276,13 +273,7 @@ class Store:
         """Every object under the prefix ``url`` (a memmap archive is a directory), by relative path."""
         url = clean_url(url).rstrip("/")
 
-        async def body(fs: Any, path: str) -> Dict[str, ObjectInfo]:
-            found = await _retrying(url, lambda: fs._find(path, detail=True), "listing the directory")
-            prefix = path.rstrip("/") + "/"
-            return {name[len(prefix):]: object_info(d) for name, d in sorted(found.items())
-                    if name.startswith(prefix)}
-
-        return self.run(url, body)
+        return self.run(url, lambda fs, path: atree(fs, path, url))
 
     def is_directory(self, url: str) -> bool:
         """Whether ``url`` is a prefix holding objects rather than an object."""
@@ -290,7 +281,7 @@ class Store:
 
         async def body(fs: Any, path: str) -> bool:
             try:
-                details = await _retrying(url, lambda: fs._info(path), "asking what the URL is")
+                details = await ainfo(fs, path, url)
             except RemoteNotFoundError:
                 return False
             return details.get("type") == "directory"
@@ -304,7 +295,7 @@ class Store:
         async def body(fs: Any, path: str) -> bytes:
             stop = end
             if stop is None:
-                stop = object_info(await _retrying(url, lambda: fs._info(path), "asking for its size")).size
+                stop = object_info(await ainfo(fs, path, url)).size
             return await _fetch(fs, path, url, start, stop)
 
         return self.run(url, body)
@@ -397,7 +388,7 @@ async def aread(fs: Any, path: str, url: str, start: int, end: int) -> bytes:
 
 
 async def _expect(fs: Any, path: str, url: str, expected: ObjectInfo) -> None:
-    now = object_info(await _retrying(url, lambda: fs._info(path), "asking for its size"))
+    now = object_info(await ainfo(fs, path, url))
     if (now.size, now.etag) != (expected.size, expected.etag):
         raise RemoteChangedError(
             url, f"changed in the store since the set was opened (size {expected.size} -> {now.size}, "
