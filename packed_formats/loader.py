@@ -66,6 +66,7 @@ from .tracebacks import release_frames
 from .transforms import apply_transform
 from .transforms.at_decode import split_at_decode
 from .worker import BatchReader, FailedBatch
+from .worker_context import worker_context
 
 __all__ = [
     "ON_ERROR",
@@ -534,7 +535,7 @@ def make_loader(
         collate_fn=_already_a_batch,
         pin_memory=device.type == "cuda" and num_workers > 0,
         persistent_workers=persistent_workers and num_workers > 0,
-        multiprocessing_context=multiprocessing_context if num_workers > 0 else None,
+        multiprocessing_context=worker_context(multiprocessing_context) if num_workers > 0 else None,
         worker_init_fn=WorkerInit(seed, rank),
     )
     return PackedLoader(

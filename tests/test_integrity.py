@@ -232,6 +232,32 @@ def test_a_killed_make_loader_worker_is_reported_by_number_pid_and_signal(unifor
             pass
 
 
+@pytest.mark.timeout(120)  # what it guards against is a hang
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_a_worker_killed_holding_the_stop_events_lock_is_still_reported(uniform_archives, start):
+    """torch asks its workers' shared stop event whether it is set, for every index, and again when it
+    notices a dead worker.  Where asking takes the event's lock, a worker killed while it held it (the
+    out-of-memory killer picks no good moment) leaves it locked and the main process waits forever.
+    The lock held here, for the whole read, stands for such a worker: the death is still reported."""
+    import signal
+
+    loader = pf.make_loader(uniform_archives[("memmap", "raw")], batch_size=2, num_workers=2, shuffle=False,
+                            multiprocessing_context=start)
+    batches = iter(loader)
+    next(batches)
+    iterator = loader.dataloader._iterator
+    victim = iterator._workers[1].pid
+    stop_lock = iterator._workers_done_event._cond
+    assert stop_lock.acquire(timeout=10)
+    try:
+        with pytest.raises(pf.DataLoaderWorkerError, match=rf"worker 1, pid {victim}, killed by SIGKILL"):
+            os.kill(victim, signal.SIGKILL)
+            for _ in batches:
+                pass
+    finally:
+        stop_lock.release()  # the loader's own shutdown sets the event: under the lock, as it should
+
+
 @pytest.mark.parametrize("mode,warned", [("raw", True), ("encoded", False)])
 def test_a_dropped_alpha_channel_is_said_once_per_conversion(tmp_path, mode, warned):
     import io

@@ -78,18 +78,28 @@ def assert_tools_open(files) -> None:
             lmdb.open(name, readonly=True, lock=False, subdir=False).close()
 
 
+def tracked() -> list:
+    return [o for o in gc.get_objects() if type(o) in TRACKED]
+
+
+EARLIER: list = []  # what was alive before a test turned the collector off (an earlier failure's traceback)
+
+
 def left_over():
-    """The readers, datasets, loaders and DataLoader iterators the garbage collector still tracks."""
-    return sorted(type(o).__name__ for o in gc.get_objects() if type(o) in TRACKED)
+    """The readers, datasets, loaders and DataLoader iterators the garbage collector still tracks, that
+    were not there before the collector was turned off."""
+    return sorted(type(o).__name__ for o in tracked() if not any(o is e for e in EARLIER))
 
 
 @contextlib.contextmanager
 def collector_off():
     gc.collect()  # what earlier tests left in cycles
+    EARLIER[:] = tracked()
     gc.disable()
     try:
         yield
     finally:
+        EARLIER.clear()
         gc.enable()
 
 
