@@ -311,3 +311,26 @@ def test_verify_once_checks_a_sample_the_first_time_each_process_reads_it(unifor
     with pf.open_archive(uniform, verify=True) as reader:
         reader.read(3), reader.read(3)
     assert checked[-2:] == [3, 3]
+
+
+def test_the_workers_context_keeps_the_start_method_and_reads_the_stop_event_without_its_lock(uniform_archives):
+    import multiprocessing
+
+    from packed_formats.worker_context import LockFreeEvent, worker_context
+
+    for given, method in [(None, multiprocessing.get_start_method()), ("spawn", "spawn"),
+                          (multiprocessing.get_context("forkserver"), "forkserver")]:
+        context = worker_context(given)
+        assert isinstance(context, multiprocessing.context.BaseContext)
+        assert context.get_start_method() == method and worker_context(context) is context
+        event = context.Event()
+        assert isinstance(event, LockFreeEvent) and not event.is_set()
+        with event._cond:  # held, as by a killed worker: asking does not wait for it
+            assert not event.is_set()
+        event.set()
+        assert event.is_set()
+        event.clear()
+        assert not event.is_set()
+    assert worker_context("no-such-method") == "no-such-method"  # torch names the valid ones
+    with pytest.raises(ValueError, match="start method"):
+        pf.make_loader(uniform_archives[("memmap", "raw")], num_workers=1, multiprocessing_context="no-such-method")
