@@ -27,7 +27,7 @@ demo: $(STAMP)
 	$(PY) tools/demo.py
 
 test: lint typecheck
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests
