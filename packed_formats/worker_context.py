@@ -43,7 +43,9 @@ def worker_context(given: Any) -> Any:
     """The context to hand torch for ``given`` (a start method's name, a standard context, or None for
     the default): that start method's standard context with a lock-free ``Event.is_set``.  Anything
     else (a context of the caller's own kind, a name that is no start method) is handed on as it is."""
-    if given is None or isinstance(given, str):
+    if given is None:  # the default start method, named: get_context(None) would fix it for the process
+        given = multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
+    if isinstance(given, str):
         try:
             base = multiprocessing.get_context(given)
         except ValueError:

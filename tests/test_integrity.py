@@ -318,7 +318,8 @@ def test_the_workers_context_keeps_the_start_method_and_reads_the_stop_event_wit
 
     from packed_formats.worker_context import LockFreeEvent, worker_context
 
-    for given, method in [(None, multiprocessing.get_start_method()), ("spawn", "spawn"),
+    default = multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
+    for given, method in [(None, default), ("spawn", "spawn"),
                           (multiprocessing.get_context("forkserver"), "forkserver")]:
         context = worker_context(given)
         assert isinstance(context, multiprocessing.context.BaseContext)
