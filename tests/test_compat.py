@@ -113,4 +113,6 @@ def test_no_thread_of_ours_outlives_a_loader(uniform_archives):
         assert sum(len(labels) for _, labels in loader) == 24
     del loader
     gc.collect()
+    for thread in _threads() - before:  # multiprocessing's queue feeders end just after their queue closes
+        thread.join(timeout=10)
     assert {t.name for t in _threads() - before} == set()
