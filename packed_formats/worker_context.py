@@ -36,27 +36,20 @@ class _LockFreeEvents:
         return LockFreeEvent(ctx=self.get_context())  # type: ignore[attr-defined]
 
 
+_STANDARD = {name: type(multiprocessing.get_context(name)) for name in multiprocessing.get_all_start_methods()}
 _MADE: Dict[str, multiprocessing.context.BaseContext] = {}
 
 
 def worker_context(given: Any) -> Any:
     """The context to hand torch for ``given`` (a start method's name, a standard context, or None for
     the default): that start method's standard context with a lock-free ``Event.is_set``.  Anything
-    else (a context of the caller's own kind, a name that is no start method) is handed on as it is."""
+    else (a context of another kind, ours included, or a name that is no start method) is handed on
+    as it is: torch says what is wrong with it, if anything."""
     if given is None:  # the default start method, named: get_context(None) would fix it for the process
         given = multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
-    if isinstance(given, str):
-        try:
-            base = multiprocessing.get_context(given)
-        except ValueError:
-            return given  # torch names the valid start methods
-    elif isinstance(given, multiprocessing.context.BaseContext):
-        base = given
-    else:
+    name = given if isinstance(given, str) else next((n for n, kind in _STANDARD.items() if type(given) is kind), None)
+    if name not in _STANDARD:
         return given
-    if isinstance(base, _LockFreeEvents) or type(base).__module__ != "multiprocessing.context":
-        return base
-    name = base.get_start_method()
     if name not in _MADE:
-        _MADE[name] = type(f"LockFree{type(base).__name__}", (_LockFreeEvents, type(base)), {})()
+        _MADE[name] = type(f"LockFree{_STANDARD[name].__name__}", (_LockFreeEvents, _STANDARD[name]), {})()
     return _MADE[name]

@@ -333,5 +333,7 @@ def test_the_workers_context_keeps_the_start_method_and_reads_the_stop_event_wit
         event.clear()
         assert not event.is_set()
     assert worker_context("no-such-method") == "no-such-method"  # torch names the valid ones
+    default_context = multiprocessing.context._default_context  # a context torch takes, not a standard one
+    assert worker_context(default_context) is default_context
     with pytest.raises(ValueError, match="start method"):
         pf.make_loader(uniform_archives[("memmap", "raw")], num_workers=1, multiprocessing_context="no-such-method")
