@@ -75,12 +75,22 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:
         print(f"packed-formats {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (``| head``): stop quietly, as other commands do
+        return _closed_pipe()
     except Exception as exc:
         message = user_error(exc)
         if message is None:
             raise  # a bug: the traceback is what a report needs
         print(f"packed-formats {args.command}: error: {message}", file=sys.stderr)
         return 2
+
+
+def _closed_pipe() -> int:
+    """Point stdout at /dev/null (so the final flush cannot fail again) and return 128 + SIGPIPE."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 141
 
 
 def user_error(exc: BaseException) -> Optional[str]:

@@ -136,8 +136,13 @@ def cpu_info() -> Dict[str, Any]:
     }
 
 
-def jpeg_info() -> Dict[str, Any]:
-    """Is Pillow built with libjpeg-turbo, and can torchvision decode JPEG itself?"""
+def jpeg_info(check_torchvision: bool = True) -> Dict[str, Any]:
+    """Is Pillow built with libjpeg-turbo, and can torchvision decode JPEG itself?
+
+    ``check_torchvision=False`` leaves torchvision unimported (it takes seconds to import) and its
+    decoder unchecked (``torchvision_decode_jpeg`` None): what a raw archive, which is never
+    decoded, needs to know.
+    """
     import PIL
     from PIL import features
 
@@ -146,8 +151,18 @@ def jpeg_info() -> Dict[str, Any]:
         "pillow_libjpeg_turbo": bool(features.check_feature("libjpeg_turbo")),
         "pillow_libjpeg_version": features.version("jpg"),
     }
-    info.update(_torchvision_jpeg())
+    info.update(_torchvision_jpeg() if check_torchvision else _torchvision_unchecked())
     return info
+
+
+def _torchvision_unchecked() -> Dict[str, Any]:
+    from importlib import metadata
+
+    try:
+        version: Optional[str] = metadata.version("torchvision")
+    except metadata.PackageNotFoundError:
+        version = None
+    return {"torchvision_version": version, "torchvision_decode_jpeg": None, "torchvision_error": None}
 
 
 def _torchvision_jpeg() -> Dict[str, Any]:
@@ -294,7 +309,7 @@ def diagnose(
         "filesystem": filesystem_of(path, mounts),
         "archive": archive,
         "cpu": cpu,
-        "jpeg": jpeg_info(),
+        "jpeg": jpeg_info(check_torchvision=_decodes(archive)),
         "shm": shm_info(batch_size * _sample_bytes(archive), cpu["suggested_num_workers"]),
         "memory": memory_info(),
         "torch": torch_info(),
@@ -302,6 +317,11 @@ def diagnose(
     report["memory"]["archive_bytes"] = None if archive is None else archive["bytes"]
     report["advice"] = advise(report)
     return report
+
+
+def _decodes(archive: Optional[Dict[str, Any]]) -> bool:
+    """Whether reading ``path`` decodes images: anything but a readable raw archive."""
+    return archive is None or "error" in archive or archive.get("mode") != "raw"
 
 
 def _sample_bytes(archive: Optional[Dict[str, Any]]) -> int:
@@ -335,9 +355,10 @@ def summary_lines(report: Dict[str, Any]) -> List[Tuple[str, str]]:
     lines.append(("CPUs", f"{cpu['usable']} usable by this process (of {cpu['online']} online), "
                           f"{cpu['processes_per_node']} training process(es) per node"))
     turbo = "with libjpeg-turbo" if jpeg["pillow_libjpeg_turbo"] else "WITHOUT libjpeg-turbo"
-    vision = "can" if jpeg["torchvision_decode_jpeg"] else "cannot"
+    vision = {True: "can decode JPEG", False: "cannot decode JPEG",
+              None: "(its decoder not checked: a raw archive is never decoded)"}[jpeg["torchvision_decode_jpeg"]]
     lines.append(("JPEG", f"Pillow {jpeg['pillow_version']} {turbo}; torchvision {jpeg['torchvision_version']} "
-                          f"{vision} decode JPEG"))
+                          f"{vision}"))
     lines.append(("/dev/shm", f"{_size(shm['free_bytes'])} free of {_size(shm['total_bytes'])}"))
     limit = "" if memory["cgroup_limit_bytes"] is None else f" (job limit {_size(memory['cgroup_limit_bytes'])})"
     lines.append(("memory", f"{_size(memory['available_bytes'])} available of {_size(memory['total_bytes'])}{limit}"))
@@ -454,7 +475,7 @@ def _jpeg_advice(report: Dict[str, Any]) -> Advice:
         )
     else:
         yield "ok", "Pillow uses libjpeg-turbo for JPEG decoding."
-    if not jpeg["torchvision_decode_jpeg"]:
+    if jpeg["torchvision_decode_jpeg"] is False:
         yield "info", "torchvision cannot decode JPEG here (its image extension is missing); Pillow is used instead."
 
 

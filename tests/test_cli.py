@@ -432,3 +432,16 @@ def test_info_counts_the_parts_of_a_sharded_archive(tmp_path, capsys, image_fold
     assert cli.main(["info", str(tmp_path / "data.zip")]) == 0
     out = capsys.readouterr().out
     assert "sharded (3 zip parts)" in out and f"samples     {N}" in out
+
+
+def test_a_reader_that_stops_early_gets_no_broken_pipe_noise(tmp_path):
+    path = os.fspath(tmp_path / "many.memmap")
+    classes = [f"class-{i:05d}" for i in range(6000)]  # more text than a pipe's buffer holds
+    with pf.open_writer(path, format="memmap", mode="raw", shape=(2, 2, 3), classes=classes) as writer:
+        for i in range(len(classes)):
+            writer.add(np.zeros((2, 2, 3), np.uint8), i, f"k{i}")
+    for extra in ([], ["--json"]):
+        shell = f"{sys.executable} -m packed_formats info {path} --all-classes {' '.join(extra)} | head -n 1"
+        done = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, timeout=300)
+        assert done.stdout.count("\n") == 1
+        assert done.stderr == "", done.stderr

@@ -208,3 +208,34 @@ def test_format_report_wraps_every_advice_item(tmp_path):
     report = pf.diagnose(tmp_path)
     text = format_report(report)
     assert text.count("\n  [") == len(report["advice"])
+
+
+def _heavy_imports(args, cwd):
+    """The heavy packages ``packed-formats ARGS`` imports (read from ``python -X importtime``)."""
+    command = [sys.executable, "-X", "importtime", "-m", "packed_formats", *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=cwd)
+    assert done.returncode == 0, done.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time")}
+    return imported & {"torch", "torchvision", "h5py", "lmdb", "fsspec", "aiohttp"}
+
+
+@pytest.mark.parametrize("args", [["--help"], ["info", "{raw}"], ["doctor", "{raw}"]], ids=["help", "info", "doctor"])
+def test_help_info_and_doctor_on_a_raw_archive_do_not_import_torchvision(args, archives):
+    raw = archives[("memmap", "raw")]
+    heavy = _heavy_imports([a.format(raw=raw) for a in args], cwd=os.path.dirname(raw))
+    assert "torchvision" not in heavy  # seconds to import, and nothing a raw archive needs
+    if args[0] != "doctor":  # doctor asks torch which GPUs it sees
+        assert "torch" not in heavy
+
+
+def test_doctor_on_a_raw_archive_leaves_the_decoder_unchecked_and_says_so(archives, capsys):
+    report = pf.diagnose(archives[("memmap", "raw")])
+    assert report["jpeg"]["torchvision_decode_jpeg"] is None
+    assert report["jpeg"]["torchvision_version"]  # still named, from the installed package's metadata
+    assert not any("torchvision cannot" in item["message"] for item in report["advice"])
+    assert cli.main(["doctor", archives[("memmap", "raw")]]) == 0
+    assert "not checked: a raw archive is never decoded" in capsys.readouterr().out
+
+
+def test_doctor_on_an_encoded_archive_checks_the_decoder(archives):
+    assert isinstance(pf.diagnose(archives[("zip", "encoded")])["jpeg"]["torchvision_decode_jpeg"], bool)
