@@ -80,6 +80,7 @@ def stage(path: "str | os.PathLike[str]", to: "str | os.PathLike[str]", timeout:
         CorruptSampleError: a sample of the source fails its checksum (no copy is left).
         UnknownFormatError: the source is not a packed archive.
         InsufficientSpaceError: the destination has no room for the copy.
+        DestinationError: this user may not create or write in the destination folder.
         ArchiveInUseError: the lock wait timed out.
         PackedFormatError: any other problem with the source or the copy.
     """
@@ -98,7 +99,7 @@ def stage_archive(
         return StagedArchive(local, copied, nbytes, time.monotonic() - started)
     parts = _parts_of(source)
     directory = os.fspath(to)
-    os.makedirs(directory, exist_ok=True)
+    _make_destination(directory)
     target = os.path.join(directory, os.path.basename(os.path.normpath(source)))
     if os.path.realpath(target) == os.path.realpath(source):
         return StagedArchive(target, False, sum(disk_usage(p, parts=False) for p in parts + [source]), 0.0)
@@ -261,6 +262,60 @@ def _verify_copy(copy: str, source: str) -> None:
     )
 
 
+# ---- the destination --------------------------------------------------------------------
+_DESTINATION_HINT = ("stage to a folder this user may write in (e.g. $TMPDIR), "
+                     "or ask the folder's owner for write permission")
+
+
+def _make_destination(directory: str) -> None:
+    """Create the folder ``directory`` where it is missing.
+
+    Raises:
+        DestinationError: it cannot be created (naming the folder that refuses it), or is a file.
+    """
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except PermissionError:
+        parent = _nearest_existing(directory)
+        raise DestinationError(
+            directory, f"permission denied: this user may not create folders in {parent}", hint=_DESTINATION_HINT
+        ) from None
+    except OSError as exc:
+        raise DestinationError(directory, f"cannot be created: {exc.strerror}", hint=_DESTINATION_HINT) from None
+
+
+def _nearest_existing(path: str) -> str:
+    """The closest folder above ``path`` that exists (where a folder on the way to it would be made)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)
+    return folder
+
+
+def _open_lock(lock_path: str) -> int:
+    """The lock file's descriptor, the file created where it is missing.
+
+    Raises:
+        DestinationError: this user may not write in its folder, or open another user's lock file there.
+    """
+    directory = os.path.dirname(lock_path) or "."
+    try:
+        return os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+    except PermissionError:
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise DestinationError(
+                directory, "permission denied: this user may not write in this folder", hint=_DESTINATION_HINT
+            ) from None
+        raise DestinationError(
+            directory, f"permission denied: this user may not open the lock file {lock_path} for writing",
+            hint="`ls -l` shows whose it is: stage to a folder of this user's own (e.g. $TMPDIR), or ask its owner",
+        ) from None
+    except OSError as exc:
+        raise DestinationError(
+            directory, f"cannot create the lock file {lock_path}: {exc.strerror}", hint=_DESTINATION_HINT
+        ) from None
+
+
 # ---- locking and leftovers --------------------------------------------------------------
 def _lock_path(target: str) -> str:
     directory, name = os.path.split(target)
@@ -282,7 +337,7 @@ def _remove_leftovers(target: str) -> None:
 @contextmanager
 def _exclusive(lock_path: str, timeout: Optional[float]) -> Iterator[None]:
     """Hold an exclusive flock on ``lock_path``; other processes calling this wait."""
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+    fd = _open_lock(lock_path)
     try:
         _flock(fd, lock_path, timeout)
         try:

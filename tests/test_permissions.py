@@ -8,15 +8,20 @@ be allowed to read Python's own files).
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import io
 import os
 import pwd
 import shutil
 import tempfile
+from typing import Callable
 
 import numpy as np
 import pytest
 
 import packed_formats as pf
+from packed_formats import cli
 from packed_formats.backends.sharded import ShardedWriter
 
 from .conftest import ARCHIVE_KINDS, kind_id
@@ -42,6 +47,12 @@ def read_everything(path: str) -> int:
 
 def read_as_unprivileged(path: str) -> "tuple[str, str]":
     """(exception class name or "ok", message) of ``read_everything(path)`` in a child without root."""
+    return as_unprivileged(lambda: read_everything(path))
+
+
+def as_unprivileged(call: "Callable[[], object]") -> "tuple[str, str]":
+    """(exception class name, message) of ``call()`` in a child without root; ("ok", what it returned)
+    when it returns."""
     ids = drop_to()
     receiver, sender = os.pipe()
     pid = os.fork()
@@ -53,8 +64,7 @@ def read_as_unprivileged(path: str) -> "tuple[str, str]":
                 os.setgid(ids[1])
                 os.setuid(ids[0])
             try:
-                read_everything(path)
-                result = "ok\n"
+                result = f"ok\n{call()}"
             except BaseException as exc:  # noqa: B036 - every outcome is reported to the parent
                 result = f"{type(exc).__name__}\n{exc}"
             os.write(sender, result.encode())
@@ -137,3 +147,106 @@ def test_an_unreadable_part_of_a_sharded_archive_says_permission_and_names_it(sh
     assert len(files) > 3
     for unreadable in files:
         assert_denied(path, unreadable)
+
+
+# ---- folders this user may not search (enter) ---------------------------------------------------------
+FOLDER_MODES = (0o000, 0o444)  # neither read nor search; read (list) but not search
+
+
+def open_and_close(path: str) -> None:
+    pf.open_archive(path).close()
+
+
+def cli_info(path: str) -> str:
+    """``packed-formats info path``: its exit status and what it printed on stderr."""
+    printed = io.StringIO()
+    with contextlib.redirect_stderr(printed), contextlib.redirect_stdout(io.StringIO()):
+        status = cli.main(["info", path])
+    return f"exit {status}: {printed.getvalue()}"
+
+
+ENTRIES = {"PackedDataset": read_everything, "open_archive": open_and_close, "packed-formats info": cli_info}
+
+
+def sharded_set(path: str, fmt: str) -> str:
+    with ShardedWriter(path, fmt, shard_size=3, mode="raw", shape=SHAPE, classes=["a", "b"]) as writer:
+        for i in range(9):
+            writer.add(np.full(SHAPE, i, dtype=np.uint8), i % 2)
+    return path
+
+
+def assert_folder_denied(folder: str, outcome: "tuple[str, str]", entry: str) -> None:
+    name, message = outcome
+    if entry == "packed-formats info":
+        assert name == "ok" and message.startswith("exit 2: packed-formats info: error: "), (folder, outcome)
+    else:
+        assert name == "ArchivePermissionError", (folder, entry, outcome)
+    assert "permission denied" in message and f"may not search the folder {folder}" in message, (entry, message)
+
+
+@pytest.mark.parametrize("kind", ARCHIVE_KINDS + [("sharded", fmt) for fmt in pf.PACKED_FORMATS], ids=kind_id)
+def test_an_archive_in_a_folder_this_user_may_not_search_says_permission_and_names_the_folder(
+        archives, shared_dir, kind):
+    folder = os.path.join(shared_dir, "data")
+    os.mkdir(folder)
+    if kind[0] == "sharded":
+        path = sharded_set(os.path.join(folder, f"set.{kind[1]}"), kind[1])
+    else:
+        path = os.path.join(folder, os.path.basename(archives[kind]))
+        (shutil.copytree if os.path.isdir(archives[kind]) else shutil.copyfile)(archives[kind], path)
+    public_copy(shared_dir, shared_dir)
+    for entry, call in ENTRIES.items():
+        call(path)  # imports, in the parent, what the child's call needs
+        assert as_unprivileged(functools.partial(call, path))[0] == "ok", entry  # the control: a folder it may enter
+    for mode in FOLDER_MODES:
+        os.chmod(folder, mode)
+        try:
+            for entry, call in ENTRIES.items():
+                assert_folder_denied(folder, as_unprivileged(functools.partial(call, path)), entry)
+        finally:
+            os.chmod(folder, 0o755)
+
+
+def test_a_memmap_part_folder_this_user_may_not_search_says_permission_and_names_it(shared_dir):
+    path = sharded_set(os.path.join(shared_dir, "set.memmap"), "memmap")  # each part a folder
+    public_copy(shared_dir, shared_dir)
+    assert read_as_unprivileged(path)[0] == "ok"
+    read_everything(path)
+    part = os.path.join(shared_dir, "set-00001.memmap")
+    for mode in FOLDER_MODES:
+        os.chmod(part, mode)
+        try:
+            name, message = read_as_unprivileged(path)
+        finally:
+            os.chmod(part, 0o755)
+        assert name == "ArchivePermissionError", (oct(mode), name, message)
+        assert "permission denied" in message and part in message, message
+
+
+# ---- staging where this user may not write ------------------------------------------------------------
+@pytest.mark.parametrize("into", ["the folder", "a new folder in it"])
+def test_staging_where_this_user_may_not_write_says_so_and_names_the_folder(archives, shared_dir, into):
+    source = public_copy(archives[("zip", "raw")], os.path.join(shared_dir, "data.zip"))
+    folder = os.path.join(shared_dir, "local")
+    os.mkdir(folder)
+    destination = folder if into == "the folder" else os.path.join(folder, "job", "data")
+    os.chmod(folder, 0o555)  # this user may enter and list it, not write in it
+    pf.stage(source, os.path.join(shared_dir, "imports"))  # imports, in the parent, what staging needs
+    name, message = as_unprivileged(lambda: pf.stage(source, destination))
+    assert name == "DestinationError", (name, message)
+    assert "permission denied" in message and folder in message and "stage to a folder" in message, message
+    assert os.listdir(folder) == []
+
+
+def test_staging_beside_another_users_lock_file_says_so_and_names_it(archives, shared_dir):
+    source = public_copy(archives[("zip", "raw")], os.path.join(shared_dir, "data.zip"))
+    folder = os.path.join(shared_dir, "local")
+    os.mkdir(folder)
+    os.chmod(folder, 0o1777)  # like /tmp: everyone may write in it
+    lock = os.path.join(folder, ".data.zip.pf-stage.lock")
+    pf.stage(source, folder)  # imports, in the parent, what staging needs; leaves its lock file, this user's
+    os.chmod(lock, 0o444)  # its owner may not write it either
+    os.remove(os.path.join(folder, "data.zip"))
+    name, message = as_unprivileged(lambda: pf.stage(source, folder))
+    assert name == "DestinationError", (name, message)
+    assert "permission denied" in message and lock in message and "ls -l" in message, message

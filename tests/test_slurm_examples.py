@@ -138,6 +138,42 @@ def test_training_example_checkpoints_on_sigusr1_requeues_and_resumes(archives, 
     assert again.returncode == 0 and epochs_trained(again.stdout) == []  # nothing left to train
 
 
+def losses(stdout: str) -> list:
+    return re.findall(r"epoch \d+: loss [0-9.]+", stdout)
+
+
+@pytest.mark.slow
+def test_training_example_stopped_after_an_epochs_last_step_resumes_at_the_next_epoch_exactly(archives, tmp_path):
+    # one step an epoch (a batch of all 24 samples): the stop comes after an epoch's last step, never mid-epoch
+    options = ["--epochs", "2", "--batch-size", "24", "--size", "16", "--workers", "0"]
+    checkpoint, reference_checkpoint = tmp_path / "run" / "checkpoint.pt", tmp_path / "reference.pt"
+    checkpoint.parent.mkdir()
+    env = fake_slurm(tmp_path)
+
+    def train(saving_to, *more) -> list:
+        return [sys.executable, os.path.join(EXAMPLES, "train_example.py"), archives[("zip", "raw")],
+                "--checkpoint", str(saving_to), *options, *more]
+
+    command = train(checkpoint)
+    stopped = signal_when_ready(train(checkpoint, "--pace", "2"), env, lambda p: p.send_signal(signal.SIGUSR1))
+    assert stopped.returncode == 0, stopped.stderr
+    epoch, batches = saved_at(stopped.stdout)
+    assert batches == 1 and epochs_trained(stopped.stdout) == list(range(epoch)), stopped.stdout
+    state = torch.load(checkpoint, weights_only=True)
+    assert (state["loader"]["epoch"], state["loader"]["batches"]) == (epoch + 1, 0)  # the next epoch's start
+
+    resumed = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed from {checkpoint}: epoch {epoch}, 1 batches done" in resumed.stdout
+    reference = subprocess.run(train(reference_checkpoint), capture_output=True, text=True, timeout=300, env=env)
+    assert reference.returncode == 0, reference.stderr
+    assert losses(stopped.stdout) + losses(resumed.stdout) == losses(reference.stdout)  # each epoch once
+    final, expected = (torch.load(c, weights_only=True) for c in (checkpoint, reference_checkpoint))
+    assert final["loader"]["epoch"] == expected["loader"]["epoch"] == 2
+    for name, value in expected["model"].items():
+        assert torch.equal(final["model"][name], value), name
+
+
 @pytest.mark.slow
 def test_training_example_stops_when_the_stop_file_appears(archives, tmp_path):
     checkpoint, stop_file = tmp_path / "checkpoint.pt", tmp_path / "stop"

@@ -9,7 +9,13 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, List, Optional, Tuple, Type
 
-from ..errors import ArchiveNotFoundError, ArchivePermissionError, FormatMismatchError, UnknownFormatError
+from ..errors import (
+    ArchiveNotFoundError,
+    ArchivePermissionError,
+    FormatMismatchError,
+    PackedFormatError,
+    UnknownFormatError,
+)
 from ..policy import VerifyPolicy
 from ..tracebacks import drops_frames
 from . import folder, hdf5, lmdb, memmap, sharded, zip
@@ -74,16 +80,61 @@ def sniff_format(path: str) -> Optional[str]:
     return next((s.name for s in SPECS if s.sniff(path, head)), None)
 
 
+def unsearchable_folder(path: str) -> Optional[str]:
+    """The folder on the way to ``path`` (links followed) that this user may not search, or None.
+
+    A folder without search permission (``x``: mode 000, or 444) hides what is in it: a path
+    under it looks absent (``os.path.exists`` is False) although it may well be there.
+    """
+    try:
+        target = os.path.realpath(path)  # as far as links can be followed: one may lead into the folder
+    except OSError:  # the working directory is gone
+        return None
+    prefix, names = os.path.sep, [n for n in target.split(os.path.sep) if n]
+    for name in names:
+        below = os.path.join(prefix, name)
+        try:
+            os.stat(below)
+        except PermissionError:
+            return prefix
+        except OSError:  # absent (or not a folder): nothing further down is hidden by a permission
+            return None
+        prefix = below
+    return None
+
+
+def folder_denied(archive: "os.PathLike[str] | str", folder: str) -> ArchivePermissionError:
+    """The error for ``archive`` (or a part of it) in (or being) ``folder``, which this user may not search."""
+    return ArchivePermissionError(
+        archive, f"permission denied: this user may not search the folder {folder}, so nothing in it can be opened",
+        hint=f"ask the folder's owner for search (x) permission on it; `ls -ld {folder}` shows its owner and mode",
+    )
+
+
+def not_found(path: str, problem: str = "no such file or directory") -> PackedFormatError:
+    """The error to raise for ``path``, which cannot be found: ArchivePermissionError naming the
+    folder on the way that this user may not search, else ArchiveNotFoundError saying ``problem``."""
+    folder = unsearchable_folder(path)
+    if folder is not None:
+        return folder_denied(path, folder)
+    if os.path.islink(path):
+        problem += f": a link to {os.readlink(path)}, which does not exist"
+    return ArchiveNotFoundError(path, problem, hint="check the path")
+
+
 def detect_format(path: "str | os.PathLike[str]", expected: Optional[str] = None) -> str:
-    """The format of the archive at ``path``; checks it against ``expected`` if given."""
+    """The format of the archive at ``path``; checks it against ``expected`` if given.
+
+    Raises:
+        ArchiveNotFoundError: nothing is at ``path``.
+        ArchivePermissionError: this user may not read it, or search a folder on the way to it.
+        UnknownFormatError: it is not an archive (FormatMismatchError: not of the ``expected`` format).
+    """
     path = os.fspath(path)
     if expected is not None:
         spec(expected)
     if not os.path.exists(path):
-        problem = "no such file or directory"
-        if os.path.islink(path):
-            problem += f": a link to {os.readlink(path)}, which does not exist"
-        raise ArchiveNotFoundError(path, problem, hint="check the path")
+        raise not_found(path)
     if os.path.isdir(path) and not os.access(path, os.R_OK | os.X_OK):  # its files cannot even be listed
         raise ArchivePermissionError.denied(path)
     try:
@@ -155,11 +206,14 @@ __all__ = [
     "SPECS",
     "Writer",
     "detect_format",
+    "folder_denied",
+    "not_found",
     "open_archive",
     "open_writer",
     "register",
     "sniff_format",
     "spec",
     "unregister",
+    "unsearchable_folder",
     "writer_class",
 ]

@@ -20,7 +20,6 @@ import numpy as np
 
 from ..errors import (
     ArchiveChangedError,
-    ArchiveNotFoundError,
     ArchivePermissionError,
     CorruptArchiveError,
     IncompleteArchiveError,
@@ -142,10 +141,9 @@ class MemmapBackend(Backend[MappedNpy]):
 
     @classmethod
     def read_metadata(cls, path: str) -> Tuple[ArchiveManifest, SampleIndex]:
-        if not os.path.isdir(path):
-            raise ArchiveNotFoundError(path, "no such directory")
+        _check_folder(path)
         manifest_path = os.path.join(path, MANIFEST)
-        if not os.path.exists(manifest_path):
+        if not _present(path, manifest_path):
             if any(os.path.exists(os.path.join(path, data_file_name(m))) for m in ("raw", "encoded")):
                 raise IncompleteArchiveError(path, "no manifest.json: the archive was never sealed")
             raise UnknownFormatError(path, "not a packed_formats memmap archive (no manifest.json)")
@@ -172,8 +170,7 @@ class MemmapBackend(Backend[MappedNpy]):
         return [os.path.join(self.path, n) for n in names]
 
     def open(self) -> MappedNpy:
-        if not os.path.isdir(self.path):
-            raise ArchiveNotFoundError(self.path, "no such directory")
+        _check_folder(self.path)
         data = _map_data(self.path, self.manifest.mode)
         if self.identity not in (None, data.identity):  # replaced between the check and the open
             data.close()
@@ -215,6 +212,30 @@ def _load_mapped(path: str) -> np.ndarray:
     finally:
         os.close(fd)
     return np.load(path, allow_pickle=False)
+
+
+def _check_folder(path: str) -> None:
+    """Raise unless ``path`` is a folder: ArchiveNotFoundError, or ArchivePermissionError naming the
+    folder on the way to it that this user may not search (where that is why it cannot be found)."""
+    if os.path.isdir(path):
+        return
+    from . import not_found  # here: the registry imports this module
+
+    raise not_found(path, "no such directory")
+
+
+def _present(path: str, file: str) -> bool:
+    """Whether ``file`` of the archive folder ``path`` exists (ArchivePermissionError naming the
+    folder where this user may not search it: the file may be there, unseen)."""
+    try:
+        os.stat(file)
+    except PermissionError:
+        from . import folder_denied
+
+        raise folder_denied(path, path) from None
+    except OSError:
+        return False
+    return True
 
 
 def _array(handle: MappedNpy) -> np.ndarray:

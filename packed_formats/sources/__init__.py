@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from typing import Any, List, Optional, Sequence, Type, Union
 
+from ..backends import folder_denied, unsearchable_folder
 from ..errors import ArchiveNotFoundError, InvalidSourceError, UnknownFormatError
 from .base import (
     Sample,
@@ -163,6 +164,9 @@ def _kind(paths: List[str], options: SourceOptions) -> Type[Source]:
     """The kind to read ``paths`` as (for the tar kinds: TarBackedSource, decided once listed)."""
     for path in paths:
         if not os.path.lexists(path):
+            folder = unsearchable_folder(path)  # a folder this user may not search hides it
+            if folder is not None:
+                raise folder_denied(path, folder)
             raise ArchiveNotFoundError(path, "no such file or directory", hint="check the source path")
     if options.source_format is not None:
         return _forced(paths, options.source_format)
