@@ -14,7 +14,7 @@ import shutil
 import textwrap
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from .errors import ArchiveNotFoundError, PackedFormatError
+from .errors import PackedFormatError
 from .parallel import available_cores
 from .space import human_bytes as _size
 
@@ -298,10 +298,13 @@ def diagnose(
 
     Raises:
         ArchiveNotFoundError: ``path`` does not exist.
+        ArchivePermissionError: a folder on the way to ``path`` may not be searched by this user.
     """
     path = os.path.abspath(os.fspath(path if path is not None else os.getcwd()))
     if not os.path.exists(path):
-        raise ArchiveNotFoundError(path, "no such file or directory", hint="check the path")
+        from .backends import not_found
+
+        raise not_found(path)
     archive = archive_summary(path)
     cpu = cpu_info()
     report: Dict[str, Any] = {

@@ -250,3 +250,18 @@ def test_staging_beside_another_users_lock_file_says_so_and_names_it(archives, s
     name, message = as_unprivileged(lambda: pf.stage(source, folder))
     assert name == "DestinationError", (name, message)
     assert "permission denied" in message and lock in message and "ls -l" in message, message
+
+
+def test_doctor_on_an_archive_in_a_folder_this_user_may_not_search_names_the_folder(archives, shared_dir):
+    folder = os.path.join(shared_dir, "data")
+    os.mkdir(folder)
+    path = os.path.join(folder, os.path.basename(archives[("zip", "raw")]))
+    shutil.copyfile(archives[("zip", "raw")], path)
+    public_copy(shared_dir, shared_dir)
+    os.chmod(folder, 0o000)
+    try:
+        name, message = as_unprivileged(functools.partial(pf.diagnose, path))
+    finally:
+        os.chmod(folder, 0o755)
+    assert name == "ArchivePermissionError", (name, message)
+    assert f"may not search the folder {folder}" in message
