@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import json
 import os
 import time
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
 
 from .checksum import crc32
 from .errors import CorruptArchiveError, IncompleteArchiveError, UnsupportedVersionError
@@ -19,7 +21,12 @@ CHECKSUM = "crc32"
 # store each image's chunk position in the index, and ZIP archives carry a locator of their
 # manifest and index in the end record's comment (both read in constant time).  Versions 1
 # and 2 are still read; a reader that knows only 2 says "upgrade" instead of "damaged".
-FORMAT_VERSION = 3
+# Version 4: a part of a sharded set names its set and its place in it (``set_id``, ``part``).
+# An archive is stamped with the oldest version that holds all it stores: one that is no
+# part of a set is still version 3 (byte for byte what it was), and a reader that knows only
+# 3 says "upgrade" of a set's part instead of "damaged".
+FORMAT_VERSION = 4
+PLAIN_VERSION = 3  # an archive that is no part of a set
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +54,9 @@ class ArchiveManifest:
         created_with, created_at: the writing library's version and the UTC time of writing.
         complete: whether the archive was sealed.
         index_crc32: (array name, CRC32) of every index array.
+        set_id: the id of the sharded set this archive is a part of ("" when it is none; a set's
+            joined manifest carries its set's id).
+        part: this archive's place in that set, counted from 0 (-1 when it is no part of a set).
     """
 
     format: str
@@ -62,9 +72,14 @@ class ArchiveManifest:
     created_at: str = ""
     complete: bool = True
     index_crc32: Tuple[Tuple[str, int], ...] = ()
+    set_id: str = ""
+    part: int = -1
 
     def to_json(self) -> str:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # no deep copy, unlike asdict
+        for name in _SET_FIELDS:  # left out when unset: an archive that is no part of a set stays as it was
+            if data[name] == _UNSET[name]:
+                del data[name]
         data["classes"] = list(self.classes)
         data["shape"] = None if self.shape is None else list(self.shape)
         data["index_crc32"] = dict(self.index_crc32)
@@ -104,6 +119,8 @@ class ArchiveManifest:
         data["classes"] = tuple(data.get("classes", ()))
         if data.get("shape") is not None:
             data["shape"] = tuple(int(x) for x in data["shape"])
+        if type(data.get("set_id", "")) is not str or type(data.get("part", -1)) is not int:
+            raise ValueError("the manifest's set_id is not a string or its part not an integer")
         data["index_crc32"] = tuple(sorted((str(k), int(v)) for k, v in dict(data.get("index_crc32", {})).items()))
         return cls(**data)
 
@@ -114,6 +131,24 @@ class ArchiveManifest:
             return None
         h, w, c = self.shape
         return h * w * c
+
+
+_SET_FIELDS = ("set_id", "part")
+_UNSET = {f.name: f.default for f in dataclasses.fields(ArchiveManifest) if f.name in _SET_FIELDS}
+_PLACE: "contextvars.ContextVar[Optional[Tuple[str, int]]]" = contextvars.ContextVar("set_place", default=None)
+
+
+@contextlib.contextmanager
+def part_of_set(set_id: str, part: int) -> Iterator[None]:
+    """Archives sealed in this block (in this thread) are part ``part`` of the set ``set_id``: how a
+    set's writers (``ShardedWriter``, ``convert --part``) have each part's manifest name its place."""
+    if not set_id or part < 0:
+        raise ValueError(f"a part of a set needs a set id and a place from 0, got {set_id!r} and {part}")
+    token = _PLACE.set((set_id, part))
+    try:
+        yield
+    finally:
+        _PLACE.reset(token)
 
 
 def new_manifest(
@@ -129,10 +164,12 @@ def new_manifest(
 
     No wall-clock time is stored, so converting the same input twice gives
     byte-identical archives; ``created_at`` is set only from $SOURCE_DATE_EPOCH
-    (the reproducible-builds convention) when a fixed date is wanted.
+    (the reproducible-builds convention) when a fixed date is wanted.  Within
+    ``part_of_set``, the manifest names its set and its place in it.
     """
     from . import __version__
 
+    place = _PLACE.get()
     return ArchiveManifest(
         format=format,
         mode=mode,
@@ -143,6 +180,9 @@ def new_manifest(
         created_with=f"packed_formats {__version__}",
         created_at=_source_date(),
         index_crc32=tuple(sorted(index_crc32)),
+        format_version=PLAIN_VERSION if place is None else FORMAT_VERSION,
+        set_id="" if place is None else place[0],
+        part=-1 if place is None else place[1],
     )
 
 

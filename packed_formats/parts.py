@@ -6,8 +6,10 @@ samples: slot k holds samples ``k*S .. (k+1)*S - 1`` and is written as the part
 one-process conversion writes.  With ``--part I/N`` (one task of N, such as a
 Slurm array task) a conversion writes only the slots ``I*K//N .. (I+1)*K//N - 1``
 of the K slots, so the split does not depend on N, each part is
-byte-identical to the one-process conversion's, and ``join`` writes the same
-index (``backends.sharded`` writes and reads it).
+the same as the one-process conversion's but for the set's id, and ``join``
+writes the index (``backends.sharded`` writes and reads it).  The set's id is
+derived from the plan (``set_id``), so every task's parts name the same set, and
+each part's manifest names its slot as its place in it.
 
 What the tasks share lives beside the destination, in ``.<name>.pf-parts/``:
 
@@ -45,8 +47,9 @@ import numpy as np
 
 from . import __version__
 from .backends.base import remove_path, temp_path_for
-from .backends.sharded import _index_json, part_name
+from .backends.sharded import index_text, part_name
 from .errors import ArchiveExistsError, ArchiveInUseError, CorruptArchiveError, IncompleteArchiveError
+from .manifest import part_of_set
 from .sources import Source
 
 PLAN_VERSION = 1
@@ -301,6 +304,12 @@ def _plan_id(plan: dict) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def set_id(plan: dict) -> str:
+    """The id of the set made by ``plan``: its plan's id (16 hexadecimal digits), which every task
+    computes alike, named by each part's manifest and by the index ``join`` writes."""
+    return _plan_id(plan)
+
+
 WritePart = Callable[[Source, str], Tuple[int, List[str]]]
 
 
@@ -323,7 +332,8 @@ def write_slots(source: Source, dst: str, plan: dict, task: int, tasks: int, wri
             for stale in glob.glob(os.path.join(glob.escape(directory), f".{glob.escape(name)}{_TEMP_MARK}*")):
                 remove_path(stale)  # a killed writer's: this process holds the part's lock
             start = slot * shard
-            count, bad = write(SourceRange(source, start, min(samples, start + shard)), path)
+            with part_of_set(set_id(plan), slot):  # the part's manifest names the set and its place in it
+                count, bad = write(SourceRange(source, start, min(samples, start + shard)), path)
             seal = {"slot": slot, "name": name, "plan": _plan_id(plan), "count": count, "task": f"{task}/{tasks}",
                     "files": _files_state(path)}
             _write_json(seal_path(dst, name), seal)
@@ -409,7 +419,7 @@ def join(dst: str, require_all: bool = True) -> Optional[str]:
         first = min(state.missing)
         more = f" (and {len(state.missing) - 1} more)" if len(state.missing) > 1 else ""
         raise IncompleteArchiveError(dst, f"{state.missing[first]}{more}", hint="then join again")
-    text = _index_json(state.plan["format"], state.parts)
+    text = index_text(state.plan["format"], state.parts, set_id(state.plan))
     temp = temp_path_for(dst)  # a killed join's is cleaned like a killed conversion's
     with open(temp, "w") as file:
         file.write(text)

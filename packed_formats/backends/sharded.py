@@ -3,10 +3,22 @@
 ``convert --shard-size N`` writes parts ``<stem>-00000<ext>``, ``<stem>-00001<ext>``...
 beside the destination and, at the destination itself, an index::
 
-    {"packed_formats_shards": 1, "format": "zip", "parts": [{"name": "train-00000.zip", "count": 1000}, ...]}
+    {"packed_formats_shards": 2, "format": "zip", "set_id": "3f2c9a0d51e47b86",
+     "parts": [{"name": "train-00000.zip", "count": 1000}, ...], "crc32": 2706264151}
 
 Part names are relative to the index's directory.  Each part is a complete
-archive of its own.  The sharded backend is a span layer over the parts'
+archive of its own.  The index is sealed: ``crc32`` is the CRC32 of the canonical
+JSON text (``manifest.canonical_json``) of everything else in it, and a damaged
+index is refused (``index_text`` writes one, ``read_shard_index`` checks it).  Each
+part's manifest names the set's id and the part's place in it (``set_id``,
+``part``): a part listed twice, copied over another, renamed or taken from another
+set is refused when the set is opened, naming the part and what it says, and so is
+a part that differs from the first in mode, shape, dtype, classes or checksum kind
+(encodings may differ: the set's is then "mixed").  An index of version 1 (no seal,
+no set id) is still read, its parts checked for all but their place; one whose
+parts name a set is refused (an index rewritten without its seal).
+
+The sharded backend is a span layer over the parts'
 Readers (each with its own per-process handle), used through their public API
 only; the outer Reader checks checksums against the joined index.
 
@@ -46,12 +58,14 @@ import itertools
 import json
 import os
 import re
+import secrets
 import threading
 from collections import OrderedDict
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, cast
 
 import numpy as np
 
+from ..checksum import crc32
 from ..errors import (
     ArchiveChangedError,
     ArchiveExistsError,
@@ -62,11 +76,13 @@ from ..errors import (
 )
 from ..handles import ProcessLocal
 from ..index import JoinedArray, SampleIndex, by_part, part_of
-from ..manifest import ArchiveManifest
+from ..manifest import ArchiveManifest, canonical_json, part_of_set
 from .base import Backend, FormatSpec, Handle, Reader, WriteTransaction, publish, remove_path, temp_path_for
 
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: sealed (``crc32``), with the set's id; 1: neither (still read)
+SEAL = "crc32"  # the index's key of its own checksum
 _MAGIC = re.compile(rb'\s*\{\s*"packed_formats_shards"\s*:')
+_SET_ID = re.compile(r"[0-9a-f]{16}")
 
 
 def is_shard_index(head: bytes) -> bool:
@@ -80,12 +96,55 @@ def part_name(path: str, k: int) -> str:
     return f"{stem}-{k:05d}{ext}"
 
 
+def new_set_id() -> str:
+    """A new set's id: 16 random hexadecimal digits."""
+    return secrets.token_hex(8)
+
+
+def index_text(format: str, parts: Sequence[Tuple[str, int]], set_id: Optional[str], **extra: Any) -> str:
+    """The text of a set's index: its parts' format, (name, sample count) of each part in order, the
+    set's id and any ``extra`` keys (an uploaded set's "samples" and "manifest"), sealed with the
+    CRC32 of all of it.  ``set_id`` None writes the unsealed version 1, for a set whose parts name no
+    set (written by an older packed_formats).
+
+    Raises:
+        ValueError: ``set_id`` is not 16 lowercase hexadecimal digits, or ``extra`` names a key of its own.
+    """
+    content: Dict[str, Any] = {
+        "packed_formats_shards": INDEX_VERSION if set_id is not None else 1,  # first: what is_shard_index sees
+        "format": format,
+    }
+    if set_id is not None:
+        if not isinstance(set_id, str) or not _SET_ID.fullmatch(set_id):
+            raise ValueError(f"a set id is 16 lowercase hexadecimal digits, got {set_id!r}")
+        content["set_id"] = set_id
+    content["parts"] = [{"name": name, "count": int(count)} for name, count in parts]
+    clash = set(extra) & (set(content) | {"set_id", SEAL})
+    if clash:
+        raise ValueError(f"an index's own keys cannot be given as extra ones: {sorted(clash)}")
+    content.update(extra)
+    if set_id is not None:
+        content[SEAL] = _seal(content)
+    return json.dumps(content, indent=1) + "\n"
+
+
+def _seal(content: Dict[str, Any]) -> int:
+    """CRC32 of an index's content (all but its seal) in its canonical JSON text."""
+    return crc32(canonical_json(content).encode())
+
+
 def read_shard_index(path: str) -> dict:
-    """The parsed index at ``path`` (CorruptArchiveError if it is not a valid one).
+    """The parsed index at ``path``: its parts' ``format``, their ``names`` and ``counts``, its
+    ``version`` and the set's ``set_id`` (None in a version 1 index).
 
     Parts are confined to the index's directory: each name is a plain file
-    name (no separators, not "." or ".."), and each part is a packed archive
-    of one format that is neither a folder nor another shard index.
+    name (no separators, not "." or ".."), listed once, and each part is a
+    packed archive of one format that is neither a folder nor another shard
+    index.  A version 2 index must match its seal.
+
+    Raises:
+        ArchiveNotFoundError: nothing at ``path``.
+        CorruptArchiveError: not a valid index, or a damaged one (naming ``path``).
     """
     try:
         with open(path, "rb") as file:
@@ -97,16 +156,40 @@ def read_shard_index(path: str) -> dict:
         raise ArchiveNotFoundError(path, "no such file") from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CorruptArchiveError(path, f"not a valid shard index: {exc}") from None
-    if version > INDEX_VERSION or not names:
+    if not 1 <= version <= INDEX_VERSION or not names:
         raise CorruptArchiveError(path, "not a valid shard index (unknown version, or no parts)")
+    set_id = _check_seal(path, spec) if version >= 2 else None
     for name in names:
         if name in ("", ".", "..") or os.path.basename(name) != name or "/" in name or "\\" in name:
             raise CorruptArchiveError(path, f"part name {name!r} is not a plain file name beside the index")
+    if len(set(names)) < len(names):
+        name = next(n for n in names if names.count(n) > 1)
+        first = names.index(name)
+        raise CorruptArchiveError(
+            path, f"part {name} is listed twice (as part {first} and part {names.index(name, first + 1)})",
+            hint="the index was edited or damaged: restore it, or convert the set again",
+        )
     if part_format in ("sharded", "folder") or part_format not in _packed_formats():
         raise CorruptArchiveError(path, f"parts of format {part_format!r} cannot be shards (a packed format is needed)")
     if any(c < 0 for c in counts):
         raise CorruptArchiveError(path, "a part has a negative sample count")
-    return {"format": part_format, "names": names, "counts": counts}
+    return {"format": part_format, "names": names, "counts": counts, "version": version, "set_id": set_id}
+
+
+def _check_seal(path: str, spec: Dict[str, Any]) -> str:
+    """The set id of the version 2 index ``spec`` read from ``path``, once it matches its seal."""
+    content = {k: v for k, v in spec.items() if k != SEAL}
+    stored = spec.get(SEAL)
+    if type(stored) is not int or stored != _seal(content):
+        raise CorruptArchiveError(
+            path, "the set's index is damaged: its content does not match its checksum"
+                  if SEAL in spec else "the set's index has lost its checksum",
+            hint="restore the index from a good copy, or convert (or join) the set again",
+        )
+    set_id = spec.get("set_id")
+    if not isinstance(set_id, str) or not _SET_ID.fullmatch(set_id):
+        raise CorruptArchiveError(path, f"not a valid shard index: its set id {set_id!r} is not 16 hexadecimal digits")
+    return set_id
 
 
 def _packed_formats() -> Tuple[str, ...]:
@@ -209,7 +292,12 @@ class ShardedBackend(Backend[ShardedHandle]):
         backend = spec(index_spec["format"]).backend
         # each part's index stays mapped from its file (index_map's maps hold no descriptor)
         parts = [Reader(os.path.join(directory, n), backend, verify=False) for n in index_spec["names"]]
-        _check_parts(path, parts, index_spec["counts"])
+        try:
+            _check_parts(path, parts, index_spec)
+        except BaseException:
+            for part in parts:
+                part.close()
+            raise
         return cls(path, _joined_manifest(parts), _joined_index(parts), parts)
 
     @classmethod
@@ -359,14 +447,74 @@ def _what_fits(limit: int, needed: int) -> str:
     return f"{raise_limit}, or keep at most {fits} parts open (max_open_parts, or {ENVIRONMENT_VARIABLE})"
 
 
-def _check_parts(path: str, parts: List[Reader], counts: List[int]) -> None:
-    first = parts[0].manifest
-    for part, count in zip(parts, counts):
-        m = part.manifest
+AGREEING_FIELDS = ("mode", "shape", "dtype", "classes", "checksum")  # every part's as the set's (encoding may differ)
+
+
+def _check_parts(path: str, parts: List[Reader], index_spec: Dict[str, Any]) -> None:
+    """Each part of the set whose index at ``path`` is ``index_spec`` holds the count the index
+    says, names its place in the set, and agrees with the first (CorruptArchiveError otherwise)."""
+    first = parts[0]
+    for p, (part, count) in enumerate(zip(parts, index_spec["counts"])):
         if len(part) != count:
             raise CorruptArchiveError(path, f"part {part.path} holds {len(part)} samples, index says {count}")
-        if (m.mode, m.shape, m.classes) != (first.mode, first.shape, first.classes):
-            raise CorruptArchiveError(path, f"part {part.path} differs from the first in mode/shape/classes")
+        check_part(path, part.path, part.manifest, p, index_spec["set_id"], index_spec["format"])
+        check_agreement(path, part.path, part.manifest, first.manifest, f"the first part, {first.path}")
+
+
+def check_part(path: str, part_path: str, manifest: ArchiveManifest, position: int, set_id: Optional[str],
+               format: str) -> None:
+    """That the part at ``part_path``, listed at ``position`` in the index at ``path`` of the set ``set_id``
+    (None: a version 1 index, which names no set) and of ``format``, says it is that part.
+
+    Raises:
+        CorruptArchiveError: the part is of another format, names another set or place, names none
+            under a sealed index, or names one under a version 1 index (naming the part and what it says).
+    """
+    hint = "a part was copied, renamed or moved, or the index replaced: restore the set's own files, or convert " \
+           "it again"
+    says = f"part {manifest.part} of set {manifest.set_id}"
+    if manifest.format != format:
+        raise CorruptArchiveError(path, f"part {part_path} is a {manifest.format} archive, the index lists "
+                                        f"{format} parts", hint=hint)
+    if set_id is None:
+        if manifest.set_id or manifest.part >= 0:
+            raise CorruptArchiveError(
+                path, f"part {part_path} says it is {says}, but the index is of version 1, which names no set "
+                      "(an index rewritten without its seal)", hint=hint)
+        return
+    if not manifest.set_id:
+        raise CorruptArchiveError(
+            path, f"part {part_path} names no set (written alone, or by an older packed_formats), but the sealed "
+                  f"index lists it as part {position} of set {set_id}", hint=hint)
+    if manifest.set_id != set_id:
+        raise CorruptArchiveError(
+            path, f"part {part_path} says it is {says}, another set: the index lists it as part {position} of "
+                  f"set {set_id}", hint=hint)
+    if manifest.part != position:
+        raise CorruptArchiveError(
+            path, f"part {part_path} says it is part {manifest.part} of this set, but the index lists it as "
+                  f"part {position}", hint=hint)
+
+
+def check_agreement(path: str, part_path: str, manifest: ArchiveManifest, reference: ArchiveManifest,
+                    reference_name: str) -> None:
+    """That the part at ``part_path`` of the set at ``path`` agrees with ``reference`` (another part's
+    manifest, or the set's) in every field of ``AGREEING_FIELDS``; CorruptArchiveError naming the field."""
+    for field in AGREEING_FIELDS:
+        mine, theirs = getattr(manifest, field), getattr(reference, field)
+        if mine != theirs:
+            if field == "classes":  # a list of thousands of names: say where they part
+                at = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+                mine, theirs = _class_at(mine, at), _class_at(theirs, at)
+            raise CorruptArchiveError(
+                path, f"part {part_path} differs from {reference_name} in {field}: {mine!r}, not {theirs!r}",
+                hint="a set's parts are of one layout: convert the set again from one source with one set of options",
+            )
+
+
+def _class_at(classes: Sequence[str], at: int) -> str:
+    """Class ``at`` of ``classes``, in words, for a message saying where two lists differ."""
+    return f"class {at} {classes[at]!r} of {len(classes)}" if at < len(classes) else f"{len(classes)} classes"
 
 
 def _joined_manifest(parts: List[Reader]) -> ArchiveManifest:
@@ -377,6 +525,7 @@ def _joined_manifest(parts: List[Reader]) -> ArchiveManifest:
         count=sum(len(p) for p in parts),
         encoding=encodings.pop() if len(encodings) == 1 else "mixed",
         index_crc32=(),  # each part's index was checked against its own manifest
+        part=-1,  # the whole set (its id stays)
     )
 
 
@@ -414,7 +563,9 @@ class ShardedWriter(WriteTransaction):
 
     Parts are written into a temporary folder beside ``path`` and moved into
     place only at close(), parts first and the index last, so an interrupted
-    conversion leaves nothing at ``path``.  Options are those of Writer.
+    conversion leaves nothing at ``path``.  Options are those of Writer, and
+    ``set_id``: the set's id (16 hexadecimal digits; by default a new random
+    one), named by the index and by each part's manifest.
     """
 
     def __init__(
@@ -427,7 +578,10 @@ class ShardedWriter(WriteTransaction):
             raise ValueError(f"shard size must be at least 1, got {shard_size}")
         if os.path.lexists(self.path) and not overwrite:
             raise ArchiveExistsError(self.path, "already exists", hint="pass overwrite=True to replace it")
+        set_id = options.pop("set_id", None)  # not a Writer's option: the set's, named by every part
         self.format, self.shard_size, self.overwrite, self.options = format, shard_size, overwrite, options
+        self.set_id: str = new_set_id() if set_id is None else set_id
+        index_text(format, [], self.set_id)  # a set id it cannot write is refused now (ValueError)
         self._writer_class = writer_class(format)
         self.temp_path = temp_path_for(self.path)
         os.mkdir(self.temp_path)
@@ -456,7 +610,8 @@ class ShardedWriter(WriteTransaction):
 
     def _finish_part(self) -> None:
         if self._current is not None:
-            self._current.close()
+            with part_of_set(self.set_id, len(self._parts) - 1):  # the part's manifest is written at close
+                self._current.close()
             self._parts[-1] = (self._parts[-1][0], len(self._current))
             self._current = None
 
@@ -468,7 +623,7 @@ class ShardedWriter(WriteTransaction):
             self._finish_part()
             index_temp = os.path.join(self.temp_path, "index.json")
             with open(index_temp, "w") as file:
-                file.write(_index_json(self.format, self._parts))
+                file.write(index_text(self.format, self._parts, self.set_id))
             self._publish_all(index_temp)
         except BaseException:
             self.abort()
@@ -493,15 +648,6 @@ class ShardedWriter(WriteTransaction):
             self._current.abort()
             self._current = None
         remove_path(self.temp_path)
-
-
-def _index_json(format: str, parts: List[Tuple[str, int]]) -> str:
-    spec = {
-        "packed_formats_shards": INDEX_VERSION,
-        "format": format,
-        "parts": [{"name": name, "count": count} for name, count in parts],
-    }
-    return json.dumps(spec, indent=1) + "\n"
 
 
 def existing_parts(path: str) -> List[str]:

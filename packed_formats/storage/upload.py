@@ -4,13 +4,12 @@ A sharded set goes part by part (each retried; a folder part file by file), then
 index (``<stem>-samples.npz``: labels, keys, CRC32s and part counts, so that opening the set
 reads no part), and the set's index last, so a reader never sees half a set: until the index
 is there, the set does not exist at that URL.  The index gains the sample index's name, size
-and CRC32, and the set's manifest; a local reader ignores both.
+and CRC32, and the set's manifest (a local reader ignores both), and is sealed again over them.
 """
 
 from __future__ import annotations
 
 import io
-import json
 import os
 import zlib
 from typing import Any, Dict, List, Optional
@@ -18,7 +17,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from ..backends import detect_format, open_archive
-from ..backends.sharded import read_shard_index
+from ..backends.sharded import index_text, read_shard_index
 from .remote import Store
 from .urls import basename, clean_url, join
 
@@ -65,14 +64,13 @@ def upload(path: "str | os.PathLike[str]", url: str, storage_options: Optional[D
         put(local_samples, sample_url)
     finally:
         os.remove(local_samples)
-    with open(path, "rb") as text:
-        spec = json.loads(text.read())
-    spec["samples"] = {"name": basename(sample_url), "size": len(samples), "crc32": zlib.crc32(samples)}
-    spec["manifest"] = manifest_text
+    text = index_text(index["format"], list(zip(index["names"], index["counts"])), index["set_id"],
+                      samples={"name": basename(sample_url), "size": len(samples), "crc32": zlib.crc32(samples)},
+                      manifest=manifest_text)  # sealed again, over what it gained
     local_index = f"{path}.index-upload-{os.getpid()}"
     try:
         with open(local_index, "w") as file:
-            file.write(json.dumps(spec, indent=1) + "\n")
+            file.write(text)
         put(local_index, url)
     finally:
         os.remove(local_index)
