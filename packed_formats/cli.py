@@ -18,7 +18,7 @@ from typing import List, NoReturn, Optional
 from . import __version__
 from .errors import PackedFormatError
 
-COMMANDS = ("convert", "join", "info", "verify", "bench", "doctor", "stage")
+COMMANDS = ("convert", "join", "info", "verify", "bench", "doctor", "stage", "upload")
 # module -> (pip package, extra of packed_formats that installs it)
 OPTIONAL_PACKAGES = {
     "matplotlib": ("matplotlib", "plot"),
@@ -120,7 +120,7 @@ def describe_import_error(exc: ImportError) -> str:
     if not module:
         return str(exc)
     package, extra = OPTIONAL_PACKAGES.get(module, (module, None))
-    also = f", or the {extra!r} extra: pip install 'packed_formats[{extra}]'" if extra else ""
+    also = f", or the {extra!r} extra: pip install '.[{extra}]' in packed_formats' folder" if extra else ""
     if isinstance(exc, ModuleNotFoundError):
         return f"this needs {package}, which is not installed: pip install {package}{also}"
     return f"{exc}: upgrade it with pip install -U {package}"

@@ -44,7 +44,8 @@ class PackedFormatError(Exception):
             self.key, self.hint = noted["key"], noted["hint"]
             super().__init__(message)
             return
-        self.path = None if path is None else os.fspath(path)
+        # a plain str: a URL that carries its request form (storage.RemoteURL) leaves it out of the error
+        self.path = None if path is None else str(os.fspath(path))
         self.problem = problem
         self.index = index
         self.key = key
@@ -318,3 +319,8 @@ class TooManyOpenFilesError(PackedFormatError):
                 return True
             exc = exc.__cause__ or exc.__context__
         return False
+
+
+class CacheDirectoryError(DestinationError):
+    """The node-local cache directory of remote sets cannot be used as it is (not writable, another
+    user's, a name too long for its file system): the error names it and says what to do."""

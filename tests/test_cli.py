@@ -390,7 +390,7 @@ def test_a_missing_optional_package_says_what_to_install(capsys, monkeypatch):
     assert cli.main(["info", "x.zip"]) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1
-    assert "pip install matplotlib" in err and "packed_formats[plot]" in err
+    assert "pip install matplotlib" in err and "'.[plot]'" in err
 
 
 @pytest.fixture

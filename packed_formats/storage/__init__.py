@@ -5,7 +5,7 @@
 (``PartCache``): each part downloaded once per node, checked on arrival, evicted least
 recently used within ``cache_limit`` but never while a process reads it.  ``upload`` puts a
 local archive or set into a store.  fsspec is the one layer for protocols; install it with
-``pip install 'packed_formats[remote]'``.
+``pip install '.[remote]'`` in the project's folder.
 """
 
 from .cache import CACHE_DIR_VARIABLE, CACHE_LIMIT_VARIABLE, CacheOverLimitWarning, PartCache, parse_size

@@ -1,7 +1,7 @@
 """A node-local cache of downloaded parts, shared by every process and job on the node.
 
 Layout under the cache directory (``cache_dir=``, else ``PF_CACHE_DIR``, else
-``$TMPDIR/packed_formats-cache``)::
+``$TMPDIR/packed_formats-cache-<uid>``, one per user, refused when another user owns it)::
 
     <namespace>/<entry>            a part (file or folder), exactly as the store holds it
     <namespace>/.pf/<entry>.lock   its lock: shared while a process has it open, exclusive to fill or evict it
@@ -9,8 +9,13 @@ Layout under the cache directory (``cache_dir=``, else ``PF_CACHE_DIR``, else
     <namespace>/.pf/tmp-*          downloads under way (never read: a part is moved into place only once checked)
     downloads.jsonl                one line per download (URL, bytes, time): ``PartCache.downloads()``
 
-An entry's name carries a digest of the object's ETag, so a part that changed in the store is a
-new entry: a process still reading the old version keeps it, and nothing mixes the two.
+An entry's name carries a digest of the object's name and ETag, so a part that changed in the store
+is a new entry: a process still reading the old version keeps it, and nothing mixes the two.
+Names come from the store, so they are untrusted: an entry's name keeps only a bounded run of
+``[A-Za-z0-9._-]`` of the object's name (never a separator, never ``.`` or ``..``), and every local
+path made from store content goes through ``confined``, which refuses one outside its folder.
+A cache directory that cannot be used (not writable, full, a name too long) raises
+``CacheDirectoryError`` or ``InsufficientSpaceError`` naming it, never a bare ``OSError``.
 
 * **Once per node.**  A process that needs an entry takes its lock shared; if the entry is
   complete it keeps that lock while it reads the part (a *lease*).  Otherwise it tries the lock
@@ -31,6 +36,7 @@ new entry: a process still reading the old version keeps it, and nothing mixes t
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -45,7 +51,7 @@ import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from ..backends.base import remove_path
-from ..errors import DestinationError
+from ..errors import CacheDirectoryError, InsufficientSpaceError, PackedFormatError
 from ..handles import pid_alive
 from ..space import check_free_space, human_bytes
 
@@ -85,15 +91,75 @@ def parse_size(value: Any, what: str = "cache_limit") -> Optional[int]:
 
 
 def default_cache_dir() -> str:
-    """``PF_CACHE_DIR``, else ``packed_formats-cache`` under ``$TMPDIR`` (node-local on most clusters)."""
-    return os.environ.get(CACHE_DIR_VARIABLE) or os.path.join(tempfile.gettempdir(), "packed_formats-cache")
+    """``PF_CACHE_DIR``, else this user's ``packed_formats-cache-<uid>`` under ``$TMPDIR`` (node-local on
+    most clusters; one per user, so no user writes where another's files are)."""
+    return os.environ.get(CACHE_DIR_VARIABLE) or _own_cache_dir()
+
+
+def _own_cache_dir() -> str:
+    return os.path.join(tempfile.gettempdir(), f"packed_formats-cache-{os.geteuid()}")
+
+
+_PLAIN = re.compile(r"[^A-Za-z0-9_-]+")
+_STEM_CHARS, _EXT_CHARS = 80, 16  # an entry's name stays far below any file system's 255 bytes
 
 
 def entry_name(name: str, etag: str) -> str:
-    """The cache's name for version ``etag`` of the object called ``name``: name.<digest>.<ext>."""
-    digest = hashlib.sha1(etag.encode()).hexdigest()[:12]
+    """The cache's name for version ``etag`` of the object called ``name``: <stem>.<digest><.ext>, where
+    stem and ext keep a bounded run of [A-Za-z0-9_-] of the name and the digest is of the name and ETag
+    (a name or ETag from the store never makes a separator, ``..`` or a name too long)."""
+    digest = hashlib.sha1(json.dumps([name, etag]).encode()).hexdigest()[:16]
     stem, ext = os.path.splitext(name)
-    return f"{stem}.{digest}{ext}"
+    stem = _PLAIN.sub("_", stem)[:_STEM_CHARS].strip("_") or "part"
+    ext = _PLAIN.sub("_", ext[1:])[:_EXT_CHARS]
+    return f"{stem}.{digest}.{ext}" if ext else f"{stem}.{digest}"
+
+
+def confined(base: str, relative: str) -> str:
+    """The local path ``relative`` names under the folder ``base``, checked to lie inside it once every
+    link and ``..`` is resolved (a name from a store must never reach another file).
+
+    Raises:
+        ValueError: the path would leave ``base`` (or is ``base`` itself).
+    """
+    root = os.path.realpath(base)
+    path = os.path.realpath(os.path.join(root, relative))
+    if os.path.commonpath([root, path]) != root or path == root:
+        raise ValueError(f"{relative!r} is not a path inside {base}")
+    return path
+
+
+_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def cache_failure(directory: str, exc: OSError, doing: str) -> PackedFormatError:
+    """The error for ``exc``, met while ``doing`` something in the cache ``directory``: a full disk is
+    InsufficientSpaceError, anything else CacheDirectoryError; each names the directory and what to do."""
+    reason = exc.strerror or str(exc)
+    where = f" ({exc.filename})" if exc.filename else ""
+    if exc.errno in _SPACE_ERRNOS:
+        return InsufficientSpaceError(directory, f"the cache's disk is full: cannot {doing}{where}: {reason}",
+                                      hint="free space there, set a smaller cache_limit, or another cache_dir "
+                                           f"({CACHE_DIR_VARIABLE})")
+    if exc.errno == errno.ENAMETOOLONG:
+        hint = f"use a cache directory with a shorter path (cache_dir= or {CACHE_DIR_VARIABLE})"
+    elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        hint = f"make it writable by this user, or use another cache_dir ({CACHE_DIR_VARIABLE})"
+    else:
+        hint = f"check the directory, or use another cache_dir ({CACHE_DIR_VARIABLE})"
+    return CacheDirectoryError(directory, f"the cache directory cannot be used: cannot {doing}{where}: {reason}",
+                               hint=hint)
+
+
+@contextlib.contextmanager
+def cache_errors(directory: str, doing: str) -> Iterator[None]:
+    """Turn an OSError of the local file system (not a store's error) into ``cache_failure``."""
+    try:
+        yield
+    except PackedFormatError:
+        raise
+    except OSError as exc:
+        raise cache_failure(directory, exc, doing) from None
 
 
 # ---- leases: an entry held in use by this process -------------------------------------------------------
@@ -141,13 +207,13 @@ class PartCache:
     """A cache directory with an optional bound in bytes (see the module's text)."""
 
     def __init__(self, directory: Optional[str] = None, limit: Any = None) -> None:
+        own = not directory and not os.environ.get(CACHE_DIR_VARIABLE)
         self.directory = os.path.abspath(os.fspath(directory or default_cache_dir()))
         self.limit = parse_size(limit if limit is not None else os.environ.get(CACHE_LIMIT_VARIABLE) or None)
-        try:
-            os.makedirs(self.directory, exist_ok=True)
-        except OSError as exc:
-            raise DestinationError(self.directory, f"cannot create the cache directory: {exc.strerror}",
-                                   hint=f"pass cache_dir= or set {CACHE_DIR_VARIABLE}") from None
+        with cache_errors(self.directory, "create the cache directory"):
+            os.makedirs(self.directory, mode=0o700 if own else 0o777, exist_ok=True)
+            if own:
+                _check_owner(self.directory)
         self._warned = False
 
     def __repr__(self) -> str:
@@ -163,7 +229,8 @@ class PartCache:
         digest = hashlib.sha1(key.encode()).hexdigest()[:16]
         readable = re.sub(r"[^A-Za-z0-9._-]+", "_", key.split("://", 1)[-1])[-48:].strip("._")
         folder = os.path.join(self.directory, f"{readable}-{digest}")
-        os.makedirs(os.path.join(folder, _META), exist_ok=True)
+        with cache_errors(self.directory, "create a folder in it"):
+            os.makedirs(os.path.join(folder, _META), exist_ok=True)
         return folder
 
     @staticmethod
@@ -186,7 +253,7 @@ class PartCache:
         """
         lock_path = self._lock_path(path)
         while True:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            fd = self._open_lock(lock_path)
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH)
                 if self._complete(path):
@@ -197,7 +264,8 @@ class PartCache:
                 if _try_exclusive(fd):
                     try:
                         if not self._complete(path):
-                            self._fill(path, size, fill, record)
+                            with cache_errors(self.directory, f"write the cache entry {os.path.basename(path)}"):
+                                self._fill(path, size, fill, record)
                     finally:
                         fcntl.flock(fd, fcntl.LOCK_UN)  # then take it shared again, above
                     continue
@@ -205,6 +273,17 @@ class PartCache:
                 if fd >= 0:
                     os.close(fd)
             time.sleep(POLL_S)  # another process fills it, or was checking it: look again
+
+    def _open_lock(self, lock_path: str) -> int:
+        """A descriptor of an entry's lock file: created if missing; an existing one of a cache this user
+        may only read is opened read-only (a lock needs no write access)."""
+        try:
+            return os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        except OSError as exc:
+            if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS) and os.path.exists(lock_path):
+                with cache_errors(self.directory, "open a lock file"):
+                    return os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC)
+            raise cache_failure(self.directory, exc, "create a lock file") from None
 
     def _complete(self, path: str) -> bool:
         try:
@@ -310,7 +389,7 @@ class PartCache:
 
     def evict(self, path: str) -> bool:
         """Delete the entry at ``path`` if no process holds it (True), else leave it (False)."""
-        fd = os.open(self._lock_path(path), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        fd = self._open_lock(self._lock_path(path))
         try:
             if not _try_exclusive(fd):
                 return False
@@ -336,6 +415,17 @@ class PartCache:
             pid = temp.rsplit(os.sep, 1)[-1].split("-")[1]
             if pid.isdigit() and not pid_alive(int(pid)):
                 remove_path(temp)
+
+
+def _check_owner(directory: str) -> None:
+    """CacheDirectoryError when this user's default cache directory belongs to another user (who could
+    put there what this user's processes would then read)."""
+    owner = os.stat(directory).st_uid
+    if owner != os.geteuid():
+        raise CacheDirectoryError(directory, f"the default cache directory belongs to another user (uid {owner}), "
+                                             f"not to this one (uid {os.geteuid()})",
+                                  hint=f"remove it, or pass cache_dir= or set {CACHE_DIR_VARIABLE} to a directory "
+                                       "of your own")
 
 
 def _namespaces(directory: str) -> Iterator[str]:

@@ -14,6 +14,17 @@ every other process waits for it or reads other parts.  Each process keeps a lea
 parts it has open (at most ``max_open_parts``, 4 by default for a remote set), so no process
 evicts a part another is reading.  Below the cache, each part is a local archive read by its
 own backend, with every check and speed it has locally.
+
+Everything read from the store or the cache is untrusted.  No name from it chooses a local path:
+a sample index holds only its known fields (``SAMPLE_FIELDS``), a folder part's objects must be
+plain relative paths (``check_relative_key``), entry names are made plain (``cache.entry_name``)
+and every path goes through ``cache.confined``.  A malformed set index, sample index or manifest
+is a CorruptArchiveError naming the URL and the field, and no check is skipped for a missing one.
+Each part's own manifest and index are compared with the set's when it arrives and, once a
+process, when it is opened from the cache; a cached part found damaged (it does not open,
+disagrees, or a sample fails its CRC32) is evicted and fetched again (``RemoteSetReader``).  A
+set without a sample index is indexed from its parts once per node: the index is kept in the
+cache, keyed by the parts' names, sizes and ETags.
 """
 
 from __future__ import annotations
@@ -26,13 +37,21 @@ import hashlib
 import io
 import json
 import os
+import re
 import zlib
-from typing import Any, Dict, Iterator, List, Optional, Tuple, cast
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple, cast
 
 import numpy as np
 
-from ..backends.base import Reader
-from ..backends.sharded import ShardedBackend, ShardedHandle, is_shard_index, read_shard_index
+from ..backends.base import Reader, remove_path
+from ..backends.sharded import (
+    ShardedBackend,
+    ShardedHandle,
+    check_part,
+    index_text,
+    is_shard_index,
+    read_shard_index,
+)
 from ..errors import (
     CorruptArchiveError,
     CorruptSampleError,
@@ -44,12 +63,17 @@ from ..errors import (
 from ..handles import ProcessLocal
 from ..index import SampleIndex
 from ..manifest import ArchiveManifest
-from .cache import Lease, PartCache, entry_name
+from ..tracebacks import drops_frames
+from .cache import Lease, PartCache, cache_errors, confined, entry_name
 from .remote import ObjectInfo, Store, ainfo, aread, atree, object_info
 from .urls import basename, clean_url, join
 
 DEFAULT_OPEN_PARTS = 4  # parts a process holds (and pins in the cache) at once, unless told otherwise
 DOWNLOAD_TRIES = 3  # a download whose content fails its checksums is fetched again this many times in all
+REFETCHES = 2  # a cached part found damaged when read is evicted and fetched again at most this many times a read
+MAX_KEY_DEPTH = 8  # folders deep an object of a folder part (memmap) may lie
+MAX_SAMPLE_INDEX_BYTES = 1 << 34  # a set index may not ask for a larger sample index than this
+_KEY_COMPONENT = re.compile(r"[A-Za-z0-9._-]{1,255}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,8 +120,9 @@ def open_remote(url: str, *, verify: Any = True, cache_dir: Optional[str] = None
     if description.get("samples") is not None:
         arrays = _fetch_samples(store, description["samples"], folder)
     backend = RemoteSetBackend.create(local_index, url, part_format, description["parts"], cache, store,
-                                      description.get("manifest"), arrays)
-    reader = Reader.of_backend(backend, verify=verify, path=url)
+                                      description.get("manifest"), arrays, set_id=description.get("set_id"),
+                                      indexed=bool(description.get("indexed")))
+    reader = RemoteSetReader.of_backend(backend, verify=verify, path=url)
     sharded.limit_open_parts(reader, max_open_parts)
     return reader
 
@@ -122,14 +147,15 @@ def stage_remote(url: str, to: str, storage_options: Optional[Dict[str, Any]] = 
         nbytes = sum(part.info.size for part in backend.remote_parts)
         if len(backend.remote_parts) == 1 and backend.remote_parts[0].url == backend.url:
             return backend.entry_path(0), fetched, nbytes  # one archive: the cached copy is it
-        index = {"packed_formats_shards": 1, "format": backend.part_format,
-                 "parts": [{"name": os.path.basename(backend.entry_path(p)), "count": part.count}
-                           for p, part in enumerate(backend.remote_parts)]}
+        text = index_text(backend.part_format, [(os.path.basename(backend.entry_path(p)), part.count)
+                                                for p, part in enumerate(backend.remote_parts)],
+                          backend.set_id if backend.indexed else None)
         local = os.path.join(os.path.dirname(backend.path), f"local-{os.path.basename(backend.path)}")
         temp = f"{local}.tmp-{os.getpid()}"
-        with open(temp, "w") as file:
-            file.write(json.dumps(index, indent=1) + "\n")
-        os.replace(temp, local)
+        with cache_errors(to, f"write the staged set's index {local}"):
+            with open(temp, "w") as file:
+                file.write(text)
+            os.replace(temp, local)
         return local, fetched, nbytes
     finally:
         reader.close()
@@ -212,10 +238,8 @@ def _describe(url: str, store: Store) -> Dict[str, Any]:
             infos = await asyncio.gather(*(ainfo(fs, f"{folder}/{n}", join(url, n)) for n in index["names"]))
             parts = [RemotePart(n, join(url, n), c, object_info(i))
                      for n, c, i in zip(index["names"], index["counts"], infos)]
-        samples = spec.get("samples") if isinstance(spec, dict) else None
-        if samples is not None:
-            samples = dict(samples, url=join(url, str(samples["name"])))
-        return {"format": index["format"], "parts": parts, "samples": samples, "manifest": spec.get("manifest")}
+        return {"format": index["format"], "parts": parts, "samples": _samples_entry(url, spec.get("samples")),
+                "manifest": spec.get("manifest"), "set_id": index.get("set_id"), "indexed": True}
 
     return store.run(url, body)
 
@@ -232,9 +256,42 @@ def _parse_index(url: str, text: bytes) -> Dict[str, Any]:
             raise CorruptArchiveError(url, exc.problem or str(exc)) from None
 
 
+def _samples_entry(url: str, samples: Any) -> Optional[Dict[str, Any]]:
+    """The set index's record of its sample index (name, size, CRC32) and its URL; CorruptArchiveError
+    naming the field when it is not one (its name must be a plain file name beside the index)."""
+    if samples is None:
+        return None
+    checks = {"name": lambda v: isinstance(v, str) and 0 < len(v) <= 1024 and v not in (".", "..")
+              and "/" not in v and "\\" not in v,
+              "size": lambda v: type(v) is int and 0 <= v <= MAX_SAMPLE_INDEX_BYTES,
+              "crc32": lambda v: type(v) is int and 0 <= v < 1 << 32}
+    for field, valid in checks.items():
+        value = samples.get(field) if isinstance(samples, dict) else None
+        if not valid(value):
+            raise CorruptArchiveError(url, f"the set's index records its sample index's {field} as {value!r}, "
+                                           "which is not valid", hint=REDOWNLOAD_HINT)
+    return dict(samples, url=join(url, samples["name"]))
+
+
+def check_relative_key(url: str, key: str) -> None:
+    """CorruptArchiveError naming ``url`` and ``key`` unless the store's ``key`` (an object's path inside
+    the folder ``url``) is a plain relative path: at most MAX_KEY_DEPTH components, each of
+    [A-Za-z0-9._-], not "." or "..", at most 255 bytes."""
+    components = key.split("/")
+    if len(components) > MAX_KEY_DEPTH or not all(_KEY_COMPONENT.fullmatch(c) and c not in (".", "..")
+                                                   for c in components):
+        raise CorruptArchiveError(url, f"the store lists an object {key!r} in this folder: not a plain relative "
+                                       f"path (up to {MAX_KEY_DEPTH} names of letters, digits, '.', '_' or '-'), "
+                                       "so it is not read", hint="remove that object from the store")
+
+
 def _folder_part(url: str, files: Dict[str, ObjectInfo], count: int) -> RemotePart:
+    # empty "folder" objects (a key ending in "/", as some tools make) hold nothing to download
+    files = {k: v for k, v in files.items() if not ((k == "" or k.endswith("/")) and v.size == 0)}
     if not files:
         raise RemoteNotFoundError(url, "no such object or folder in the store")
+    for key in files:
+        check_relative_key(url, key)
     digest = hashlib.sha1(json.dumps({k: v.to_json() for k, v in files.items()}, sort_keys=True).encode())
     total = ObjectInfo(sum(v.size for v in files.values()), digest.hexdigest())
     return RemotePart(basename(url), url, count, total, files)
@@ -256,25 +313,173 @@ def _sniff_head(url: str, head: bytes, size: int) -> str:
     return found
 
 
+SAMPLE_FIELDS = ("labels", "keys", "crc32", "counts")  # a sample index's arrays: nothing else is read or written
+_FIELD_DTYPES = {"labels": np.dtype(np.int64), "crc32": np.dtype(np.uint32), "counts": np.dtype(np.int64)}
+REDOWNLOAD_HINT = "open the set again; if this persists, upload the set again (packed-formats upload)"
+
+
 def _fetch_samples(store: Store, samples: Dict[str, Any], folder: str) -> Dict[str, np.ndarray]:
     """The set's sample index (labels, keys, CRC32s, counts), checked against its CRC32, mapped from the cache."""
-    url, expected_crc, size = samples["url"], int(samples["crc32"]), int(samples["size"])
+    url, expected_crc, size = samples["url"], samples["crc32"], samples["size"]
     target = os.path.join(folder, ".pf", f"samples-{expected_crc:08x}-{size}")
-    if not os.path.isfile(os.path.join(target, "done")):
+
+    def fetch() -> Tuple[Dict[str, np.ndarray], Optional[str]]:
         data = store.read(url, 0, size)
         if zlib.crc32(data) != expected_crc:
             raise RemoteChangedError(url, "the set's sample index does not match the CRC32 its index records",
                                      hint="upload the set again, or open it again if it was being replaced")
-        temp = f"{target}.tmp-{os.getpid()}"
-        os.makedirs(temp, exist_ok=True)
-        with np.load(io.BytesIO(data), allow_pickle=False) as npz:
-            for name in npz.files:
-                np.save(os.path.join(temp, f"{name}.npy"), npz[name], allow_pickle=False)
-        open(os.path.join(temp, "done"), "w").close()
+        return _npz_arrays(url, data), None
+
+    return _cached_arrays(url, target, fetch)[0]
+
+
+def _npz_arrays(url: str, data: bytes) -> Dict[str, np.ndarray]:
+    """The arrays of a sample index's .npz bytes: only SAMPLE_FIELDS, stored (not compressed), no pickle."""
+    import zipfile
+
+    try:
+        npz = np.load(io.BytesIO(data), allow_pickle=False)
+    except Exception as exc:  # noqa: BLE001 - whatever the bytes are, they are not a sample index
+        raise CorruptArchiveError(url, f"the sample index is not an .npz file ({type(exc).__name__}: {exc})",
+                                  hint=REDOWNLOAD_HINT) from None
+    if not isinstance(npz, np.lib.npyio.NpzFile):
+        raise CorruptArchiveError(url, "the sample index is a single array, not an .npz file of named arrays",
+                                  hint=REDOWNLOAD_HINT)
+    arrays = {}
+    with npz:
+        for member in npz.zip.infolist() if npz.zip is not None else ():
+            name = member.filename[:-4] if member.filename.endswith(".npy") else member.filename
+            if name not in SAMPLE_FIELDS:
+                raise CorruptArchiveError(url, f"the sample index holds a field {member.filename!r}; it may hold "
+                                               f"only {', '.join(SAMPLE_FIELDS)}", hint=REDOWNLOAD_HINT)
+            if member.compress_type != zipfile.ZIP_STORED:
+                raise CorruptArchiveError(url, f"the sample index's field {name!r} is compressed (it is stored "
+                                               "as is)", hint=REDOWNLOAD_HINT)
+            try:
+                arrays[name] = npz[name]
+            except Exception as exc:  # noqa: BLE001 - a pickled array, a damaged header...
+                raise CorruptArchiveError(url, f"the sample index's field {name!r} cannot be read ("
+                                               f"{type(exc).__name__}: {exc})", hint=REDOWNLOAD_HINT) from None
+    return arrays
+
+
+def _cached_arrays(url: str, target: str, make: Any) -> Tuple[Dict[str, np.ndarray], Optional[str]]:
+    """(arrays, manifest text) kept in the cache folder ``target`` (SAMPLE_FIELDS as .npy files, and a
+    manifest), made by ``make()`` when missing; a copy that cannot be read is made again."""
+    loaded = _load_arrays(target)
+    if loaded is not None:
+        return loaded
+    arrays, manifest_text = make()
+    _store_arrays(target, arrays, manifest_text)
+    loaded = _load_arrays(target)
+    if loaded is None:
+        raise CorruptArchiveError(url, f"its index, just written to the cache at {target}, cannot be read back",
+                                  hint="check the cache directory's disk")
+    return loaded
+
+
+def _store_arrays(target: str, arrays: Dict[str, np.ndarray], manifest_text: Optional[str]) -> None:
+    """Write ``arrays`` (and the manifest) as the cache folder ``target``: whole, or nothing left behind."""
+    from ..space import check_free_space
+    from .cache import CACHE_DIR_VARIABLE, cache_errors, confined
+
+    directory = os.path.dirname(os.path.dirname(os.path.dirname(target)))
+    needed = sum(int(a.nbytes) + 4096 for a in arrays.values()) + 8192
+    check_free_space(directory, needed, "keep a set's index in the cache",
+                     hint=f"free space there, or use another cache_dir ({CACHE_DIR_VARIABLE})")
+    temp = f"{target}.tmp-{os.getpid()}"
+    with cache_errors(directory, f"write the set's index to {target}"):
+        try:
+            os.makedirs(temp, exist_ok=True)
+            for name, array in arrays.items():
+                assert name in SAMPLE_FIELDS, name
+                np.save(confined(temp, f"{name}.npy"), array, allow_pickle=False)
+            if manifest_text is not None:
+                with open(confined(temp, "manifest.json"), "w") as file:
+                    file.write(manifest_text)
+            open(confined(temp, "done"), "w").close()
+            with contextlib.suppress(OSError):  # another process may have put its own in place first
+                os.replace(temp, target)
+        finally:
+            remove_path(temp)
+
+
+def _load_arrays(target: str) -> Optional[Tuple[Dict[str, np.ndarray], Optional[str]]]:
+    """The arrays (mapped) and manifest text of the cache folder ``target``; None when it is missing or
+    cannot be read (then it is removed, to be made again)."""
+    if not os.path.isfile(os.path.join(target, "done")):
+        return None
+    try:
+        arrays = {name: np.load(os.path.join(target, f"{name}.npy"), mmap_mode="r", allow_pickle=False)
+                  for name in SAMPLE_FIELDS if os.path.isfile(os.path.join(target, f"{name}.npy"))}
+        manifest = os.path.join(target, "manifest.json")
+        text = None
+        if os.path.isfile(manifest):
+            with open(manifest) as file:
+                text = file.read()
+        return arrays, text
+    except (OSError, ValueError, EOFError):
         with contextlib.suppress(OSError):
-            os.replace(temp, target)
-    return {name[:-4]: np.load(os.path.join(target, name), mmap_mode="r", allow_pickle=False)
-            for name in os.listdir(target) if name.endswith(".npy")}
+            remove_path(target)
+        return None
+
+
+def _check_sample_arrays(url: str, arrays: Dict[str, np.ndarray], parts: List[RemotePart],
+                         manifest: ArchiveManifest) -> None:
+    """CorruptArchiveError naming ``url`` and the field, for a sample index that does not fit the set:
+    a field missing, of another type or length, counts that do not sum to the samples or disagree with
+    the set's index.  CRC32s are required unless the set's manifest says it keeps none."""
+    def refuse(field: str, problem: str) -> CorruptArchiveError:
+        return CorruptArchiveError(url, f"the set's sample index is not valid: field {field!r} {problem}",
+                                   hint=REDOWNLOAD_HINT)
+
+    for name in arrays:
+        if name not in SAMPLE_FIELDS:
+            raise refuse(name, f"is not one of {', '.join(SAMPLE_FIELDS)}")
+    required = ("labels", "keys", "counts") + (("crc32",) if manifest.checksum is not None else ())
+    for name in required:
+        if name not in arrays:
+            raise refuse(name, "is missing")
+    for name, array in arrays.items():
+        if not isinstance(array, np.ndarray) or array.ndim != 1:
+            raise refuse(name, f"is not a 1-D array (shape {getattr(array, 'shape', None)})")
+        expected = _FIELD_DTYPES.get(name)
+        if (expected is not None and array.dtype != expected) or (name == "keys" and array.dtype.kind != "S"):
+            raise refuse(name, f"has dtype {array.dtype}, not {expected or 'bytes'}")
+    counts, total = arrays["counts"], len(arrays["labels"])
+    if len(counts) != len(parts):
+        raise refuse("counts", f"has {len(counts)} entries for {len(parts)} parts")
+    if len(counts) and int(counts.min()) < 0:
+        raise refuse("counts", "holds a negative count")
+    if int(counts.sum()) != total:
+        raise refuse("counts", f"sums to {int(counts.sum())}, but there are {total} labels")
+    for part, count in zip(parts, counts):
+        if part.count >= 0 and part.count != int(count):
+            raise refuse("counts", f"says part {part.name} holds {int(count)} samples, the set's index {part.count}")
+    for name in ("keys", "crc32"):
+        if name in arrays and len(arrays[name]) != total:
+            raise refuse(name, f"has {len(arrays[name])} entries for {total} samples")
+    if manifest.count != total:
+        raise refuse("labels", f"has {total} entries, the set's manifest says {manifest.count} samples")
+
+
+def _set_manifest(url: str, text: Any) -> ArchiveManifest:
+    """The set's manifest from its index (CorruptArchiveError naming ``url`` and the field if it is not one)."""
+    try:
+        if not isinstance(text, str):
+            raise ValueError(f"a JSON {type(text).__name__}, not the manifest's text")
+        manifest = ArchiveManifest.from_json(text, url)
+        shape_ok = manifest.shape is None or (len(manifest.shape) == 3 and all(0 < d < 1 << 16 for d in manifest.shape))
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise CorruptArchiveError(url, f"the set's manifest is not valid: {exc}", hint=REDOWNLOAD_HINT) from None
+    problems = [("count", manifest.count < 0), ("mode", manifest.mode not in ("raw", "encoded")),
+                ("shape", not shape_ok or (manifest.mode == "raw") != (manifest.shape is not None)),
+                ("classes", not all(isinstance(c, str) for c in manifest.classes))]
+    for field, wrong in problems:
+        if wrong:
+            raise CorruptArchiveError(url, f"the set's manifest is not valid: its {field} is "
+                                           f"{getattr(manifest, field)!r}", hint=REDOWNLOAD_HINT)
+    return manifest
 
 
 # ---- the backend ---------------------------------------------------------------------------------------
@@ -283,6 +488,7 @@ class _Held:
 
     def __init__(self) -> None:
         self.parts: Dict[int, Tuple[Reader, Lease]] = {}
+        self.checked: Set[int] = set()  # parts whose cached copy this process compared with the set's index
 
 
 class RemoteSetBackend(ShardedBackend):
@@ -293,19 +499,25 @@ class RemoteSetBackend(ShardedBackend):
 
     @classmethod
     def create(cls, local_index: str, url: str, part_format: str, parts: List[RemotePart], cache: PartCache,
-               store: Store, manifest_text: Optional[str], arrays: Optional[Dict[str, np.ndarray]]
-               ) -> "RemoteSetBackend":
+               store: Store, manifest_text: Optional[str], arrays: Optional[Dict[str, np.ndarray]], *,
+               set_id: Optional[str] = None, indexed: bool = False) -> "RemoteSetBackend":
+        """The backend of the set at ``url``: ``parts`` as its index lists them (of the set ``set_id`` when
+        ``indexed``: a set index, not one archive), its manifest and sample index given or built from the
+        parts; CorruptArchiveError naming the field when they do not fit each other."""
+        _check_listed_once(url, parts)
+        kept = None
         if arrays is None or manifest_text is None:
-            manifest, arrays = _index_by_fetching(url, part_format, parts, cache, store)
+            manifest, arrays, kept = _index_of_parts(url, part_format, parts, cache, store)
         else:
-            manifest = ArchiveManifest.from_json(manifest_text, url)
+            manifest = _set_manifest(url, manifest_text)
+        _check_sample_arrays(url, arrays, parts, manifest)
         counts = [int(c) for c in arrays["counts"]]
         parts = [dataclasses.replace(p, count=c) for p, c in zip(parts, counts)]
-        if len(counts) != len(parts) or sum(counts) != len(arrays["labels"]):
-            raise CorruptArchiveError(url, "the set's sample index does not fit its parts")
         index = SampleIndex(labels=arrays["labels"], keys=arrays["keys"], crc32=arrays.get("crc32"))
-        return cls(local_index, manifest, index, url=url, part_format=part_format, remote_parts=parts, cache=cache,
-                   store=store, arrays=arrays)
+        backend = cls(local_index, manifest, index, url=url, part_format=part_format, remote_parts=parts,
+                      cache=cache, store=store, arrays=arrays)
+        backend.set_id, backend.indexed, backend.kept_index = set_id, indexed, kept
+        return backend
 
     def __init__(self, path: str, manifest: ArchiveManifest, index: SampleIndex, *, url: str, part_format: str,
                  remote_parts: List[RemotePart], cache: PartCache, store: Store, arrays: Dict[str, np.ndarray]
@@ -314,6 +526,9 @@ class RemoteSetBackend(ShardedBackend):
         self.url, self.part_format, self.remote_parts = url, part_format, remote_parts
         self.cache, self.store, self._arrays = cache, store, arrays
         self.starts = np.cumsum([0] + [p.count for p in remote_parts]).astype(np.int64)
+        self.set_id: Optional[str] = None  # the set's id its index names (None: a version 1 index, or one archive)
+        self.indexed = False  # whether the parts come from a set's index (each then names its place in the set)
+        self.kept_index: Optional[str] = None  # the cache folder of the index built from the parts, if it is one
         self._held = ProcessLocal(_Held)
 
     @classmethod
@@ -390,19 +605,93 @@ class RemoteSetBackend(ShardedBackend):
 
     # ---- parts in hand ----
     def _in_hand(self, p: int) -> Reader:
+        """Part p's Reader over its cached copy, held.  A cached copy is untrusted like the store: the first
+        time a process opens it, its own manifest and index are compared with the set's; one that cannot be
+        opened or disagrees is evicted and fetched again (whose arrival check then names the problem)."""
         held = self._held.get()
         if p in held.parts:
             return held.parts[p][0]
-        part = self.remote_parts[p]
         path = self.entry_path(p)
-        lease = self.cache.acquire(path, part.info.size, functools.partial(self._fill, p), self._record(p))
-        try:
-            reader = self._open_part(path)
-        except BaseException:
+        for attempt in range(REFETCHES + 1):
+            lease = self.pin(p)
+            try:
+                try:
+                    reader = self._open_part(path)
+                except (CorruptArchiveError, CorruptSampleError, UnknownFormatError) as exc:
+                    problem: Optional[str] = str(exc)
+                else:
+                    problem = None if p in held.checked else self._disagreement(p, reader)
+                    if problem is None:
+                        held.checked.add(p)
+                        held.parts[p] = (reader, lease)
+                        return reader
+                    reader.close()
+            except BaseException:
+                lease.release()
+                raise
             lease.release()
-            raise
-        held.parts[p] = (reader, lease)
-        return reader
+            self.evict_damaged(p, str(problem), last=attempt == REFETCHES)
+        raise AssertionError("unreachable: the last try raises")
+
+    def _disagreement(self, p: int, reader: Reader) -> Optional[str]:
+        """What part p's own manifest and index say otherwise than the set's index (None: they agree)."""
+        first, last = int(self.starts[p]), int(self.starts[p + 1])
+        if len(reader) != last - first:
+            return f"it holds {len(reader)} samples, the set's index says {last - first}"
+        if self.indexed:
+            try:
+                check_part(self.url, self.remote_parts[p].url, reader.manifest, p, self.set_id, self.part_format)
+            except CorruptArchiveError as exc:
+                return exc.problem or str(exc)
+        mine, theirs = reader.manifest, self.manifest
+        for field in ("mode", "shape", "dtype", "classes", "checksum", "encoding"):
+            if field == "encoding" and theirs.encoding == "mixed":
+                continue
+            if getattr(mine, field) != getattr(theirs, field):
+                return (f"its manifest's {field} is {getattr(mine, field)!r}, the set's index says "
+                        f"{getattr(theirs, field)!r}")
+        for name in ("labels", "keys", "crc32"):
+            own, listed = getattr(reader.index, name), getattr(self.index, name)
+            if (own is None) != (listed is None):
+                return (f"it has {'no' if own is None else ''} {name}, the set's sample index "
+                        f"{'has' if own is None else 'has none'}").replace("  ", " ")
+            if own is not None and not np.array_equal(np.asarray(own), np.asarray(listed[first:last])):
+                return f"its {name} differ from the set's sample index"
+        return None
+
+    def evict_damaged(self, p: int, problem: str, last: bool) -> None:
+        """Let part p's cached copy go and evict it, to be fetched again: it failed a check (``problem``).
+        CorruptArchiveError naming the part's URL and the cache entry when ``last`` (no more tries) or when
+        another process holds the entry (it cannot be replaced under it)."""
+        self._let_go(p)
+        self._held.get().checked.discard(p)
+        part, path = self.remote_parts[p], self.entry_path(p)
+        if last or not self.cache.evict(path):
+            why = "even after it was fetched again" if last else "and another process holds it, so it stays"
+            raise CorruptArchiveError(part.url, f"its copy in the cache ({path}) fails its checks {why}: {problem}",
+                                      hint="if the node's disk is sound, remove that entry when no job reads the "
+                                           "set; else use another cache_dir")
+
+    def damaged_part(self, error: PackedFormatError) -> Optional[int]:
+        """The part whose cached copy an error of a read names (by the set's sample, or its entry's path)."""
+        from ..index import part_of
+
+        if error.path == self.url and error.index is not None and 0 <= error.index < len(self):
+            return part_of(self.starts, error.index)[0]
+        for p in list(self._held.get().parts):
+            entry = self.entry_path(p)
+            if error.path is not None and (error.path == entry or error.path.startswith(entry + os.sep)):
+                return p
+        return None
+
+    def corrupt(self, problem: str, i: int) -> CorruptSampleError:
+        """A CorruptSampleError for sample i naming the set's URL, and the part and cache entry it was read from."""
+        from ..index import part_of
+
+        p = part_of(self.starts, i)[0]
+        return CorruptSampleError(self.url, f"{problem} (part {self.remote_parts[p].url}, cached at "
+                                            f"{self.entry_path(p)})", index=i, key=self.index.key(i),
+                                  hint="the cached copy is fetched again; if this persists, upload the set again")
 
     def _let_go(self, p: int) -> None:
         reader, lease = self._held.get().parts.pop(p, (None, None))
@@ -413,7 +702,7 @@ class RemoteSetBackend(ShardedBackend):
 
     def entry_path(self, p: int) -> str:
         part = self.remote_parts[p]
-        return os.path.join(os.path.dirname(self.path), entry_name(part.name, part.info.etag))
+        return confined(os.path.dirname(self.path), entry_name(part.name, part.info.etag))
 
     def held_parts(self) -> List[int]:
         """The parts this process holds in the cache now."""
@@ -447,6 +736,8 @@ class RemoteSetBackend(ShardedBackend):
                 self._check_arrival(p, temp)
                 return
             except (CorruptArchiveError, CorruptSampleError) as exc:
+                if self.kept_index is not None and not os.path.isdir(self.kept_index):
+                    raise  # the index kept in the cache was wrong, not the download: it was removed
                 problem = str(exc).replace(temp, part.url)
         raise CorruptArchiveError(part.url, f"every download fails its checks ({DOWNLOAD_TRIES} tries); the last: "
                                   f"{problem}", hint="the stored object is damaged: upload it again")
@@ -455,20 +746,49 @@ class RemoteSetBackend(ShardedBackend):
         part = self.remote_parts[p]
         reader = self._open_part(temp)
         try:
-            first, last = int(self.starts[p]), int(self.starts[p + 1])
-            if len(reader) != last - first:
-                raise RemoteChangedError(part.url, f"holds {len(reader)} samples, the set's index says {last - first}")
-            ours = self.index
-            for name in ("labels", "keys", "crc32"):
-                mine, theirs = getattr(reader.index, name), getattr(ours, name)
-                if mine is None or theirs is None:
-                    continue
-                if not np.array_equal(np.asarray(mine), np.asarray(theirs[first:last])):
-                    raise RemoteChangedError(part.url, f"its {name} differ from the set's index: the part was "
-                                                       "replaced in the store", hint="open the set again")
+            problem = self._disagreement(p, reader)
+            if problem is not None and self.kept_index is not None:  # the index kept in the cache is wrong
+                remove_path(self.kept_index)
+                raise CorruptArchiveError(part.url, f"{problem}: the set's index kept in the cache "
+                                                    f"({self.kept_index}) does not describe it; it is removed",
+                                          hint="open the set again: its index is built again from its parts")
+            if problem is not None:
+                raise RemoteChangedError(part.url, f"{problem}: the part or the set's index in the store is not what "
+                                                   "the set was uploaded as", hint=REDOWNLOAD_HINT)
             _verify_every_sample(reader)
         finally:
             reader.close()
+
+
+class RemoteSetReader(Reader):
+    """The Reader of a remote set: a read that finds a cached part damaged (a sample failing its CRC32, a
+    record that cannot be read) evicts that part and fetches it again, at most REFETCHES times a read;
+    then CorruptArchiveError names the part's URL and its cache entry."""
+
+    @drops_frames
+    def read_bytes(self, i: int) -> bytes:
+        return cast(bytes, self._refetching(Reader.read_bytes, i))
+
+    @drops_frames
+    def read(self, i: int) -> "np.ndarray | bytes":
+        return cast("np.ndarray | bytes", self._refetching(Reader.read, i))
+
+    @drops_frames
+    def read_many(self, idx: Any, out: Optional[np.ndarray] = None) -> "np.ndarray | List[bytes]":
+        return cast("np.ndarray | List[bytes]", self._refetching(Reader.read_many, idx, out))
+
+    def _refetching(self, method: Callable[..., Any], *args: Any) -> Any:
+        backend = cast(RemoteSetBackend, self.backend)
+        for attempt in range(REFETCHES + 1):
+            try:
+                return method(self, *args)
+            except (CorruptSampleError, CorruptArchiveError) as exc:
+                p = backend.damaged_part(exc)
+                if p is None:
+                    raise
+                problem = exc.problem or str(exc)
+            backend.evict_damaged(p, problem, last=attempt == REFETCHES)
+        raise AssertionError("unreachable: the last try raises")
 
 
 def _verify_every_sample(reader: Reader, batch: int = 256) -> None:
@@ -487,10 +807,53 @@ def _download(store: Store, part: RemotePart, temp: str) -> None:
     os.makedirs(temp, exist_ok=True)
     items = []
     for relative, info in part.files.items():
-        target = os.path.join(temp, relative)
+        check_relative_key(part.url, relative)
+        try:
+            target = confined(temp, relative)
+        except ValueError:
+            raise CorruptArchiveError(part.url, f"the store lists an object {relative!r} that would be written "
+                                                "outside the part's folder, so it is not read") from None
         os.makedirs(os.path.dirname(target), exist_ok=True)
         items.append((f"{part.url}/{relative}", target, info))
     store.download_all(items)
+
+
+def _check_listed_once(url: str, parts: List[RemotePart]) -> None:
+    """CorruptArchiveError when the set's index lists a part twice (by name or by URL)."""
+    for what in ("name", "url"):
+        seen: Set[str] = set()
+        for part in parts:
+            value = getattr(part, what)
+            if value in seen:
+                raise CorruptArchiveError(url, f"the set's index lists the part {value!r} twice",
+                                          hint=REDOWNLOAD_HINT)
+            seen.add(value)
+
+
+def _index_of_parts(url: str, part_format: str, parts: List[RemotePart], cache: PartCache, store: Store
+                    ) -> Tuple[ArchiveManifest, Dict[str, np.ndarray], str]:
+    """The manifest and sample index of a set without one beside it, built from its parts once
+    (``_index_by_fetching``) and kept in the cache, keyed by the parts' names, sizes and ETags: the next
+    process that opens the set reads no part.  A kept copy is untrusted like any cached file: each part is
+    compared with it when first opened (``RemoteSetBackend._in_hand``).  Returns the manifest, the arrays
+    and the cache folder that keeps them."""
+    listing = [part_format] + [[p.name, p.info.size, p.info.etag] for p in parts]
+    digest = hashlib.sha1(json.dumps(listing).encode()).hexdigest()[:24]
+    target = os.path.join(cache.namespace(url), ".pf", f"index-{digest}")
+
+    def build() -> Tuple[Dict[str, np.ndarray], Optional[str]]:
+        manifest, arrays = _index_by_fetching(url, part_format, parts, cache, store)
+        return arrays, manifest.to_json()
+
+    arrays, text = _cached_arrays(url, target, build)
+    try:
+        manifest = _set_manifest(url, text)
+        _check_sample_arrays(url, arrays, parts, manifest)
+    except CorruptArchiveError:  # the kept copy is damaged: build it again
+        remove_path(target)
+        arrays, text = _cached_arrays(url, target, build)
+        manifest = _set_manifest(url, text)
+    return manifest, arrays, target
 
 
 def _index_by_fetching(url: str, part_format: str, parts: List[RemotePart], cache: PartCache, store: Store
@@ -508,7 +871,7 @@ def _index_by_fetching(url: str, part_format: str, parts: List[RemotePart], cach
     readers, leases, labels, keys, crcs, counts = [], [], [], [], [], []
     try:
         for part in parts:
-            path = os.path.join(folder, entry_name(part.name, part.info.etag))
+            path = confined(folder, entry_name(part.name, part.info.etag))
 
             def fill(temp: str, part: RemotePart = part) -> None:
                 _download(store, part, temp)
@@ -530,10 +893,13 @@ def _index_by_fetching(url: str, part_format: str, parts: List[RemotePart], cach
                 reader.close()
                 leases[-1].release()
         manifest = _joined_manifest(readers) if len(parts) > 1 else readers[0].manifest
-        arrays = {"labels": np.concatenate(labels), "keys": np.concatenate(keys),
+        joined_keys = np.concatenate(keys)
+        arrays = {"labels": np.concatenate(labels).astype(np.int64, copy=False),
+                  "keys": joined_keys.astype(f"S{max(1, joined_keys.dtype.itemsize)}", copy=False)
+                  if joined_keys.dtype.kind == "S" else joined_keys,
                   "counts": np.asarray(counts, dtype=np.int64)}
         if all(c is not None for c in crcs):
-            arrays["crc32"] = np.concatenate(crcs)  # type: ignore[arg-type]
+            arrays["crc32"] = np.concatenate(crcs).astype(np.uint32, copy=False)  # type: ignore[arg-type]
     finally:
         for reader in readers:
             reader.close()
