@@ -17,11 +17,17 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test test-fast test-compat notebooks docs lint typecheck clean
 
+# The first run downloads or unpacks several GB (torch with its CUDA libraries): each step says what it
+# installs and pip shows its progress, so a long step is seen to be working.
 $(STAMP): setup.cfg setup.py constraints.txt
+	@echo "== [1/3] creating the environment $(VENV) (once)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade "pip>=23" "setuptools>=64"
-	$(PY) -m pip install --quiet -c constraints.txt torch torchvision -e ".[test]"
+	@echo "== [2/3] upgrading pip and setuptools in $(VENV)"
+	$(PY) -m pip install --upgrade "pip>=23" "setuptools>=64"
+	@echo "== [3/3] installing torch, torchvision (constraints.txt; several GB) and packed_formats[test] into $(VENV)"
+	$(PY) -m pip install -c constraints.txt torch torchvision -e ".[test]"
 	touch $(STAMP)
+	@echo "== $(VENV) is ready"
 
 demo: $(STAMP)
 	$(PY) tools/demo.py

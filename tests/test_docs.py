@@ -4,6 +4,7 @@ warnings as errors and lists every public name."""
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import re
 import subprocess
@@ -18,6 +19,8 @@ from packed_formats import transforms as T
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
+# the reference, one page per area; the format contract's page is for people who add a format
+REFERENCE_PAGES = ("datasets", "transforms", "conversion", "storage", "cli", "errors", "formats")
 
 
 def public_names() -> Iterator[Tuple[str, Any]]:
@@ -91,14 +94,56 @@ def test_the_docs_build_without_warnings(tmp_path):
         capture_output=True, text=True, cwd=ROOT, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-6000:]
-    pages = {name: (out / f"{name}.html").read_text(encoding="utf-8") for name in ("api", "transforms", "cli")}
+    pages = {name: (out / f"{name}.html").read_text(encoding="utf-8") for name in REFERENCE_PAGES}
     assert 'id="module-packed_formats.transforms"' in pages["transforms"]
     for qualified, obj in public_names():
-        page = pages["transforms" if qualified.startswith("packed_formats.transforms.") else "api"]
-        assert inspect.ismodule(obj) or f'id="{qualified}"' in page, f"{qualified} is not in the built reference"
+        on = [name for name, page in pages.items() if f'id="{qualified}"' in page]
+        assert inspect.ismodule(obj) or len(on) == 1, f"{qualified} is on the reference pages {on}, not on one"
+    api = (out / "api.html").read_text(encoding="utf-8")
+    assert all(f'href="{name}.html"' in api for name in REFERENCE_PAGES), "the API page lists every page"
+    for name, page in pages.items():  # each page opens with a short example, before its first entry
+        first_entry = min((page.find(mark) for mark in ('class="py ', 'id="packed-formats-') if mark in page),
+                          default=len(page))
+        assert 'class="highlight' in page[:first_entry], f"{name} does not open with an example"
+    assert 'id="packed_formats.Reader.read"' in pages["formats"]
+    assert 'id="packed_formats.Reader.check_sample"' not in pages["formats"], "Reader's internals are not the API"
     import packed_formats.cli
 
     for command in packed_formats.cli.COMMANDS:
         assert f"usage: packed-formats {command}" in pages["cli"]
     for notebook in sorted((ROOT / "notebooks").glob("*.ipynb")):  # rendered with their stored outputs
         assert "cell_output" in (out / "notebooks" / f"{notebook.stem}.html").read_text(encoding="utf-8")
+
+
+def notebook_tool():
+    """tools/notebooks.py (what ``make notebooks`` runs) as a module."""
+    spec = importlib.util.spec_from_file_location("notebooks_tool_for_docs", ROOT / "tools" / "notebooks.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_make_notebooks_leaves_a_notebook_whose_outputs_did_not_change_in_substance_as_it_is(tmp_path):
+    """Running the notebooks again rewrites none whose outputs differ only in timings (a ``varies`` cell),
+    so ``git status`` stays clean; a changed word is stored."""
+    nbformat = pytest.importorskip("nbformat")
+    tool = notebook_tool()
+    path = tmp_path / "lesson.ipynb"
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [
+        nbformat.v4.new_code_cell('import time\nprint(f"took {time.perf_counter_ns()} ns")',
+                                  metadata={"tags": [tool.VARIES]}),
+        nbformat.v4.new_code_cell('print("labels: [0, 1]")'),
+    ]
+    nbformat.write(notebook, path)
+    assert tool.run([path]) == 0
+    stored = path.read_bytes()
+    assert tool.run([path]) == 0
+    assert path.read_bytes() == stored, "a run that changed only a timing rewrote the notebook"
+    changed = nbformat.read(path, as_version=4)
+    changed.cells[1].outputs[0].text = "labels: [0, 2]\n"  # stored outputs the code no longer produces
+    nbformat.write(changed, path)
+    assert tool.run([path]) == 0
+    assert "labels: [0, 1]" in path.read_text(encoding="utf-8")

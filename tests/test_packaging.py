@@ -8,6 +8,8 @@ that its tests run where it is unpacked.
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -147,3 +149,83 @@ def test_the_wheel_installed_in_a_fresh_venv_passes_the_smoke(unpacked_sdist, tm
     done = subprocess.run([str(python), "-c", SMOKE], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0 and "smoke ok" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+README = ROOT / "README.rst"
+
+
+def readme_install_commands() -> list:
+    """The ``pip install`` lines of the README's Install section, as a user pastes them (comments left out)."""
+    text = README.read_text(encoding="utf-8")
+    start = text.index("\nInstall\n-------")
+    end = text.index("\n-------", start + len("\nInstall\n-------"))  # the next section's underline
+    lines = [line.split("#")[0].strip() for line in text[start:end].splitlines()]
+    return [shlex.split(line) for line in lines if line.startswith("pip install")]
+
+
+def test_the_readme_installs_from_the_clone_not_from_the_public_index():
+    commands = readme_install_commands()
+    assert ["pip", "install", "."] in commands and ["pip", "install", ".[remote]"] in commands, commands
+    assert not [c for c in commands if any(arg.startswith("packed_formats") for arg in c[2:])], commands
+
+
+def test_the_install_step_says_what_it_installs_and_shows_pips_progress(tmp_path):
+    """``make``'s first step takes minutes: each pip step is announced and pip is not silenced."""
+    venv = tmp_path / "venv"
+    done = subprocess.run(["make", "-n", "-B", f"VENV={venv}", f"{venv}/.installed"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    installs = [n for n, line in enumerate(lines) if " -m pip install " in line]
+    assert len(installs) >= 2, done.stdout
+    assert not [lines[n] for n in installs if re.search(r"\s(--quiet|-q+)\b", lines[n])], done.stdout
+    assert all(lines[n - 1].startswith("echo ") for n in installs), done.stdout
+
+
+def dependencies_of_this_environment(folder: Path) -> Path:
+    """``folder`` filled with links to every distribution this venv holds except packed_formats and pip."""
+    folder.mkdir()
+    own = ("packed_formats", "__editable__", "pip")  # the project, and the venv's own pip
+    for site in {Path(p) for p in sys.path if p.endswith("site-packages") and Path(p).is_dir()}:
+        for entry in site.iterdir():
+            if entry.name.startswith(own) or entry.suffix == ".pth" or (folder / entry.name).exists():
+                continue
+            (folder / entry.name).symlink_to(entry)
+    return folder
+
+
+@pytest.mark.slow
+def test_the_readme_install_command_installs_the_clone_into_an_existing_environment(tmp_path):
+    """``pip install .`` as the README's Install section gives it, run in a fresh venv from a clean copy of the
+    checkout; then the installed package and its command work from outside any checkout.
+
+    The fresh venv is a user's environment that already has torch: it sees this venv's third-party packages
+    (torch, torchvision, numpy, ...) through a .pth file, so pip finds them installed instead of unpacking a
+    5.5 GB torch build for a minute and a half, while packed_formats itself (left out of that view) is
+    built and installed by the README's command, through pip's own build isolation, as a user's would be.
+    (``venv --system-site-packages`` would show the base interpreter's packages, not this venv's, when the
+    tests run from a venv, as ``make test`` runs them.)
+    """
+    command = next(c for c in readme_install_commands() if c == ["pip", "install", "."])
+    checkout = clean_copy(tmp_path / "checkout")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = subprocess.run([str(venv / "bin" / "python"), "-c", purelib], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    Path(site, "dependencies.pth").write_text(f"{dependencies_of_this_environment(tmp_path / 'deps')}\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"  # as if the venv were activated
+    program = venv / "bin" / command[0]  # the fresh venv's pip, never the one running these tests
+    install = subprocess.run([str(program), *command[1:]], cwd=checkout, env=env, capture_output=True, text=True,
+                             timeout=900)
+    assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
+    assert "Successfully installed packed_formats" in install.stdout.replace("-", "_"), install.stdout[-3000:]
+    probe = ("import sys, packed_formats as pf; assert pf.__file__.startswith(sys.prefix), pf.__file__; "
+             "print(pf.PackedDataset.__name__, pf.make_loader.__name__)")
+    imported = subprocess.run([str(venv / "bin" / "python"), "-c", probe], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+    assert imported.returncode == 0 and "PackedDataset make_loader" in imported.stdout, imported.stderr[-3000:]
+    version = subprocess.run([str(venv / "bin" / "packed-formats"), "--version"], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=300)
+    assert version.returncode == 0, version.stderr[-3000:]

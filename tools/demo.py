@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import time
 from typing import Optional, Tuple
@@ -120,8 +121,24 @@ def main() -> int:
             f"{'-' if fast is None else f'{fast:.0f}':>9} {best / baseline:>9.1f}x",
             flush=True,
         )
-    print("\nnext: `packed-formats bench` for honest, repeated measurements (see README.rst)")
+    print("\nnext, honest repeated measurements of these archives (see docs/benchmarks.rst):")
+    print(f"  {bench_command(args.root, args.batch_size)}")
     return 0
+
+
+def bench_command(root: str, batch_size: int) -> str:
+    """The ``packed-formats bench`` command line that measures the demo's folder and two of its archives.
+
+    It names the command as this interpreter's environment installed it (``.venv/bin/packed-formats`` after
+    ``make demo``), so it can be pasted as printed, with or without the environment activated.
+    """
+    installed = os.path.join(os.path.dirname(sys.executable), "packed-formats")
+    program = "packed-formats"
+    if os.path.exists(installed):
+        relative = os.path.relpath(installed)
+        program = installed if relative.startswith(os.pardir) else relative
+    targets = [os.path.join(root, name) for name in ("images", "demo-raw.memmap", "demo-encoded.zip")]
+    return shlex.join([program, "bench", *targets, "--workers", "0,2", "--batch-size", str(batch_size)])
 
 
 if __name__ == "__main__":

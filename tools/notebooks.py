@@ -5,6 +5,8 @@
 
 `make notebooks` runs the first; the test suite runs the second, so a notebook
 whose code changed, or whose outputs no longer follow from its code, fails CI.
+`run` rewrites a notebook only when `check` would find a difference, so running
+it again on an unchanged notebook leaves the file, and the checkout, as they were.
 
 What `check` compares, cell by cell: the source; the kind and order of the
 outputs; and every line of text they print.  Lines from a cell tagged
@@ -142,13 +144,23 @@ def _line_differences(where: str, old: List[str], new: List[str], masked: bool) 
 
 
 def run(paths: Iterable[Path]) -> int:
+    """Execute each notebook and store its outputs, rewriting the file only when they changed in substance.
+
+    "In substance" is what ``check`` compares: a run that differs from the stored outputs only in what
+    ``varies`` allows (timings, memory figures, a figure's pixels) leaves the file as it is, so that
+    running the notebooks again does not dirty the checkout.
+    """
     status = 0
     for path in paths:
+        stored = nbformat.read(path, as_version=4)
         start = time.perf_counter()
         notebook = execute(path)
         problems = problems_in(notebook)
-        nbformat.write(notebook, path)
-        print(f"{path.name}: ran in {time.perf_counter() - start:.1f} s, outputs stored", flush=True)
+        current = not problems_in(stored) and not differences(stored, notebook)
+        if not current:
+            nbformat.write(notebook, path)
+        verdict = "stored outputs are current, file left as it is" if current else "outputs stored"
+        print(f"{path.name}: ran in {time.perf_counter() - start:.1f} s, {verdict}", flush=True)
         for problem in problems:
             print(f"  {problem}")
             status = 1

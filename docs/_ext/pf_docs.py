@@ -1,8 +1,11 @@
 """Sphinx directives that build the reference from the package itself, so that it never falls behind.
 
-``.. public-api:: packed_formats`` documents every name in a module's ``__all__`` (classes with
-their public methods, functions, exceptions, constants); ``.. cli-help::`` shows the ``--help``
-of ``packed-formats`` and of each of its commands, exactly as the command line prints them.
+``.. public-api:: packed_formats`` documents names of a module's ``__all__`` (classes with their
+public methods, functions, exceptions, constants): every name, or with ``:names:`` the ones of one
+page of the reference.  Across the build, each name in the ``__all__`` of a module that a page
+documents must be on exactly one page: a name on none (a new one) or on two is a warning, so
+``make docs`` (warnings are errors) fails until it has its place.  ``.. cli-help::`` shows the
+``--help`` of ``packed-formats`` and of each of its commands, exactly as the command line prints them.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import os
 from typing import Any, Dict, List
 
 from docutils import nodes
+from docutils.parsers.rst import directives
 from docutils.statemachine import StringList
 from sphinx.application import Sphinx
 from sphinx.util import logging
@@ -37,28 +41,42 @@ CONSTANTS: Dict[str, str] = {
 
 
 class PublicApi(SphinxDirective):
-    """``.. public-api:: <module>``: an autodoc entry for each name in the module's ``__all__``."""
+    """``.. public-api:: <module>``: an autodoc entry for each name in the module's ``__all__``.
+
+    ``:names:`` (whitespace-separated) documents only those names, in that order; ``Name:a,b``
+    shows only the members ``a`` and ``b`` of class ``Name`` (its other public methods are
+    internal to the library).
+    """
 
     required_arguments = 1
+    option_spec = {"names": directives.unchanged_required}
 
     def run(self) -> List[nodes.Node]:
         module = importlib.import_module(self.arguments[0])
+        wanted = self.options.get("names", "").split() or list(module.__all__)
         lines: List[str] = []
-        for name in module.__all__:
-            lines += self._entry(f"{module.__name__}.{name}", getattr(module, name)) + [""]
+        documented = _documented(self.env)
+        for entry in wanted:
+            name, _, members = entry.partition(":")
+            if name not in module.__all__:
+                logger.warning(f"{name} is not in {module.__name__}.__all__", location=self.get_location())
+                continue
+            qualified = f"{module.__name__}.{name}"
+            documented.setdefault(qualified, []).append(self.env.docname)
+            lines += self._entry(qualified, getattr(module, name), members.replace(",", ", ")) + [""]
         content = StringList(lines, source=f"<public-api {module.__name__}>")
         section = nodes.section()
         section.document = self.state.document
         nested_parse_with_titles(self.state, content, section)
         return section.children
 
-    def _entry(self, qualified: str, obj: Any) -> List[str]:
+    def _entry(self, qualified: str, obj: Any, members: str = "") -> List[str]:
         if inspect.ismodule(obj):
-            return [f"``{qualified}``: the batch transforms, documented in :doc:`transforms`."]
+            return [f"``{qualified}``: the batch transforms, documented in :doc:`/transforms`."]
         if inspect.isclass(obj) and issubclass(obj, BaseException):
             return [f".. autoexception:: {qualified}", "   :show-inheritance:"]
         if inspect.isclass(obj):
-            return [f".. autoclass:: {qualified}", "   :members:", "   :show-inheritance:"]
+            return [f".. autoclass:: {qualified}", f"   :members: {members}".rstrip(), "   :show-inheritance:"]
         if callable(obj) and not hasattr(obj, "__origin__"):
             return [f".. autofunction:: {qualified}"]
         if qualified not in CONSTANTS:
@@ -94,7 +112,41 @@ class CliHelp(SphinxDirective):
         return [".. code-block:: text", ""] + [f"   {line}".rstrip() for line in text.splitlines()] + [""]
 
 
+def _documented(env: Any) -> Dict[str, List[str]]:
+    """qualified public name -> the pages that document it, for this build."""
+    if not hasattr(env, "pf_public_api"):
+        env.pf_public_api = {}
+    return env.pf_public_api
+
+
+def _purge(app: Sphinx, env: Any, docname: str) -> None:
+    for pages in _documented(env).values():
+        pages[:] = [page for page in pages if page != docname]
+
+
+def _merge(app: Sphinx, env: Any, docnames: Any, other: Any) -> None:
+    for qualified, pages in _documented(other).items():
+        _documented(env).setdefault(qualified, []).extend(pages)
+
+
+def _check_every_name_has_one_page(app: Sphinx, env: Any) -> None:
+    documented = {q: pages for q, pages in _documented(env).items() if pages}
+    modules = {q.rsplit(".", 1)[0] for q in documented}
+    for module_name in sorted(modules):
+        module = importlib.import_module(module_name)
+        for name in module.__all__:
+            pages = documented.get(f"{module_name}.{name}", [])
+            if not pages:
+                logger.warning(f"public name {module_name}.{name} is on no page of the reference: "
+                               f"add it to the :names: of one public-api directive")
+            elif len(pages) > 1:
+                logger.warning(f"public name {module_name}.{name} is on several pages: {sorted(pages)}")
+
+
 def setup(app: Sphinx) -> Dict[str, Any]:
     app.add_directive("public-api", PublicApi)
     app.add_directive("cli-help", CliHelp)
+    app.connect("env-purge-doc", _purge)
+    app.connect("env-merge-info", _merge)
+    app.connect("env-check-consistency", _check_every_name_has_one_page)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
