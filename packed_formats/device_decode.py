@@ -11,9 +11,12 @@ half a decode; made once per loader, a worker prepares ~2,900 images/s a core
 in the first epoch and ~40,000 after.
 
 The main process decodes the batch's JPEGs in one call to torchvision's
-batched decoder on the device (nvJPEG on CUDA), cuts each image's box out and
-resizes it there (bilinear, antialiased) into one uint8 [B,3,H,W] batch.  The
-rest of the transform then runs on the device with the batch's random
+batched decoder on the device (nvJPEG on CUDA; it takes the bytes on the host,
+as views of the batch's one buffer, and copies them itself), then resizes every
+image's box at once (``resample``: bilinear, antialiased, within a level of
+torchvision's antialiased resize) into one uint8 [B,3,H,W] batch, laid out in
+the loader's memory format: a few operator calls per batch, none per image.
+The rest of the transform then runs on the device with the batch's random
 generator as the worker left it: the crops and flips are those the workers
 would have drawn decoding on the CPU.
 
@@ -33,11 +36,11 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from . import codecs, native, policy
 from .backends.base import Reader
 from .errors import PackedFormatError
+from .transforms import functional as F
 
 
 class EncodedBatch(NamedTuple):
@@ -99,10 +102,11 @@ def pack(
 
 
 class DeviceDecoder:
-    """Turns ``EncodedBatch``es of ``reader`` into uint8 [B,3,H,W] batches on a device (see the module)."""
+    """Turns ``EncodedBatch``es of ``reader`` into uint8 [B,3,H,W] batches on a device (see the module),
+    laid out in ``memory_format``."""
 
-    def __init__(self, reader: Reader) -> None:
-        self.reader = reader
+    def __init__(self, reader: Reader, memory_format: torch.memory_format = torch.contiguous_format) -> None:
+        self.reader, self.memory_format = reader, memory_format
 
     def __call__(self, batch: EncodedBatch, device: torch.device) -> Tuple[torch.Tensor, Optional[torch.Generator]]:
         """(the batch's images on ``device``, its generator as the worker left it, or None)."""
@@ -110,43 +114,32 @@ class DeviceDecoder:
         places = [j for j in range(len(offsets) - 1) if offsets[j + 1] > offsets[j]]
         blobs = [batch.data[offsets[j] : offsets[j + 1]] for j in places]
         decoded = self._decode(blobs, [indices[j] for j in places], device)
-        boxes, size = batch.boxes.tolist(), tuple(int(v) for v in batch.size.tolist())
-        host = batch.host.to(device, non_blocking=True).permute(0, 3, 1, 2)
+        size = tuple(int(v) for v in batch.size.tolist())
         if size:
             shape: Tuple[int, ...] = (3,) + size
         else:
-            shape = tuple(decoded[0].shape) if decoded else tuple(host.shape[1:])
-        out = self.assemble(decoded, places, boxes, shape, indices, device)
-        if len(host):
-            self._check_shape(host[0], shape, indices[int(batch.host_at[0])])
-            out[batch.host_at.to(device)] = host
-        generator = None
-        if batch.state.numel():
-            generator = torch.Generator()
-            generator.set_state(batch.state.cpu())
-        return out, generator
+            shape = tuple(decoded[0].shape) if decoded else (3,) + tuple(batch.host.shape[1:3])
+        out = self.assemble(decoded, places, batch.boxes.numpy() if size else None, shape, indices, device)
+        if len(batch.host):
+            self._check_shape(batch.host[0].permute(2, 0, 1), shape, indices[int(batch.host_at[0])])
+            host = batch.host.to(device, non_blocking=True).permute(0, 3, 1, 2)
+            out[batch.host_at.to(device, non_blocking=True)] = host
+        return out, restored(batch.state)
 
-    def assemble(self, images: List[torch.Tensor], places: List[int], boxes: List[List[int]], shape: Tuple[int, ...],
-                 indices: List[int], device: torch.device, exact: Optional[bool] = None) -> torch.Tensor:
-        """uint8 [B, *shape] on ``device`` (B: ``len(indices)``) with each of ``images`` at its place, its
-        box cut out and resized where there are boxes: by torch's uint8 kernel when ``exact`` (None: on
-        the CPU), else into one float batch rounded back to uint8 in one pass (a few kernels per image,
-        not six)."""
-        exact = (device.type == "cpu" if exact is None else exact) or not boxes
-        count = len(indices)
-        out = torch.empty((count,) + shape, dtype=torch.uint8, device=device)
-        staged = None if exact else torch.empty((count,) + shape, dtype=torch.float32, device=device)
-        for j, image in zip(places, images):
-            if boxes:
-                image = cut(image, boxes[j], shape[1:]) if exact else cut_in_float(image, boxes[j], shape[1:])
-            self._check_shape(image, shape, indices[j])
-            if staged is None:
-                out[j] = image
-            else:
-                staged[j] = image
-        if staged is not None and places:
-            rows = torch.tensor(places, device=device)
-            out[rows] = staged[rows].round_().clamp_(0, 255).to(torch.uint8)
+    def assemble(self, images: List[torch.Tensor], places: List[int], boxes: Optional[np.ndarray],
+                 shape: Tuple[int, ...], indices: List[int], device: torch.device) -> torch.Tensor:
+        """uint8 [B, *shape] on ``device`` (B: ``len(indices)``, laid out in ``memory_format``) with each
+        of ``images`` at its place: whole (all of ``shape``), or its box of ``boxes`` (int64 [B,4], one
+        row per place) resized to ``shape`` in a few batched operator calls (``resample``)."""
+        out = torch.empty((len(indices),) + shape, dtype=torch.uint8, device=device, memory_format=self.memory_format)
+        if not images:
+            return out
+        if boxes is None:
+            for j, image in zip(places, images):
+                self._check_shape(image, shape, indices[j])
+            _write(out, places, torch.stack(images))
+        else:
+            resample(images, boxes[places], shape[1:], out, places)
         return out
 
     def _decode(self, blobs: List[torch.Tensor], indices: List[int], device: torch.device) -> List[torch.Tensor]:
@@ -173,6 +166,154 @@ class DeviceDecoder:
     def _check_shape(self, image: torch.Tensor, shape: Tuple[int, ...], i: int) -> None:
         if tuple(image.shape) != shape:
             raise mixed_sizes(self.reader, i, tuple(image.shape[1:]), shape[1:])
+
+
+# ---- the batched resize -----------------------------------------------------------------------------
+GATHER_LIMIT = 1 << 27  # pixel values one resampling pass gathers at most (~0.6 GiB with their float copy)
+
+
+def resample(images: List[torch.Tensor], boxes: np.ndarray, size: Sequence[int], out: torch.Tensor,
+             places: Sequence[int], limit: int = GATHER_LIMIT) -> None:
+    """Box j of ``images[j]`` (3xHxW uint8 of any sizes, on ``out``'s device) resized to ``size``
+    (bilinear, antialiased: torchvision's antialiased resize, to within a level) into ``out[places[j]]``.
+
+    A few operator calls for the whole batch, whatever its size: the images are
+    concatenated into one flat buffer (one call); each crop's rows are gathered
+    from it into one padded [B, Hc, 3, Wc] batch (one call: every row is a
+    window of that buffer), made float (one call) and resampled by two batched
+    matrix products with each image's own antialiased bilinear weights
+    (``functional.triangle_weights``: zero past its crop, so padding and the
+    pixels beyond weigh nothing), rounded back once and written.  The weights'
+    few numbers per image reach the device in one copy (pinned on CUDA).  Batches
+    whose padded crops exceed ``limit`` values are done in groups of similar
+    heights, each within it (one image alone where it is larger).
+    """
+    h, w = int(size[0]), int(size[1])
+    images = _one_layout(images)
+    heights_, widths_ = (np.array([int(image.shape[k]) for image in images], dtype=np.int64) for k in (1, 2))
+    boxes = np.asarray(boxes, dtype=np.int64).reshape(-1, 4)
+    tops = np.clip(boxes[:, 0], 0, heights_ - 1)  # each box kept inside its image, at least a pixel
+    lefts = np.clip(boxes[:, 1], 0, widths_ - 1)
+    heights = np.maximum(1, np.minimum(heights_ - tops, boxes[:, 2]))
+    widths = np.maximum(1, np.minimum(widths_ - lefts, boxes[:, 3]))
+    planar = images[0].stride(2) == 1
+    step = 1 if planar else 3  # between neighbouring pixels of a row
+    channel = heights_ * widths_ if planar else np.ones_like(heights_)
+    row = widths_ if planar else 3 * widths_
+    ends = np.cumsum(3 * heights_ * widths_)
+    bases = ends - 3 * heights_ * widths_
+    groups = _groups(heights, widths, limit)
+    pad = (int(widths.max()) - 1) * step + 1  # past the last image: its last rows' windows stay in the buffer
+    flat = torch.empty(int(ends[-1]) + pad, dtype=torch.uint8, device=out.device)
+    torch.cat([_flat(image) for image in images], out=flat[: int(ends[-1])])
+
+    arrays: List[np.ndarray] = []
+    for group in groups:
+        hc, wc = int(heights[group].max()), int(widths[group].max())
+        lines = np.minimum(np.arange(hc)[None, :], heights[group, None] - 1)  # rows past a crop repeat its last
+        starts = bases[group, None] + (tops[group, None] + lines) * row[group, None] + lefts[group, None] * step
+        offsets = channel[group, None] * np.arange(3)[None, :]
+        row_slopes, row_intercepts = F.resampling_lines(heights[group], h, antialias=True)
+        col_slopes, col_intercepts = F.resampling_lines(widths[group], w, antialias=True)
+        arrays += [starts, offsets, np.asarray(places, dtype=np.int64)[group]] + [
+            a.astype(np.float32) for a in (row_slopes, row_intercepts, heights[group], col_slopes, col_intercepts,
+                                           widths[group], np.arange(max(hc, wc)))]
+    staged = _to_device(arrays, out.device)
+    for k, group in enumerate(groups):
+        at, rows, taps = staged[10 * k : 10 * k + 10], staged[10 * k + 2], staged[10 * k + 9]
+        n, hc, wc = len(group), int(heights[group].max()), int(widths[group].max())
+        windows = flat.as_strided((flat.numel() - (wc - 1) * step, wc), (1, step))
+        crops = windows[at[0][:, :, None] + at[1][:, None, :]].to(torch.float32)  # [n, hc, 3, wc]
+        along_y = F.triangle_weights(at[3], at[4], at[5], taps[:hc])  # [n, h, hc]
+        along_x = F.triangle_weights(at[6], at[7], at[8], taps[:wc])  # [n, w, wc]
+        resized = torch.bmm(along_y, crops.view(n, hc, 3 * wc)).view(n, h * 3, wc)
+        resized = torch.bmm(resized, along_x.transpose(1, 2)).view(n, h, 3, w).permute(0, 2, 1, 3)
+        _write(out, [int(places[j]) for j in group], resized.round_().clamp_(0, 255), rows)
+
+
+def _write(out: torch.Tensor, rows: List[int], values: torch.Tensor, on_device: Optional[torch.Tensor] = None) -> None:
+    """out[rows] = values (cast to out's dtype): one copy into a view when ``rows`` are consecutive,
+    else one indexed write (``on_device``: the rows already on out's device)."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        out[rows[0] : rows[0] + len(rows)].copy_(values)
+        return
+    index = on_device if on_device is not None else torch.tensor(rows, device=out.device)
+    out[index] = values.to(out.dtype)
+
+
+def _one_layout(images: List[torch.Tensor]) -> List[torch.Tensor]:
+    """``images`` (3xHxW) all planar (CxHxW in memory, nvJPEG's) or all interleaved (HxWxC, the CPU
+    decoders'), as the first is: the odd ones out (a CPU fallback among nvJPEG's) copied."""
+    planar = images[0].is_contiguous()
+
+    def fits(image: torch.Tensor) -> bool:
+        return image.is_contiguous() if planar else image.permute(1, 2, 0).is_contiguous()
+
+    if all(fits(image) for image in images):
+        return images
+    if planar:
+        return [image if fits(image) else image.contiguous() for image in images]
+    return [image if fits(image) else image.permute(1, 2, 0).contiguous().permute(2, 0, 1) for image in images]
+
+
+def _flat(image: torch.Tensor) -> torch.Tensor:
+    """A 3xHxW image's pixel values in memory order, as a 1-D view (planar or interleaved)."""
+    return image.reshape(-1) if image.is_contiguous() else image.permute(1, 2, 0).reshape(-1)
+
+
+def _groups(heights: np.ndarray, widths: np.ndarray, limit: int) -> List[np.ndarray]:
+    """The images resampled together: all at once when their padded crops hold at most ``limit``
+    values, else runs of similar heights (tallest first) that each do."""
+    if len(heights) * int(heights.max()) * int(widths.max()) * 3 <= limit:
+        return [np.arange(len(heights))]
+    groups: List[np.ndarray] = []
+    current: List[int] = []
+    widest = 0
+    for j in np.argsort(-heights, kind="stable").tolist():
+        wider = max(widest, int(widths[j]))
+        if current and (len(current) + 1) * int(heights[current[0]]) * wider * 3 > limit:
+            groups.append(np.array(current))
+            current, wider = [], int(widths[j])
+        current.append(j)
+        widest = wider
+    groups.append(np.array(current))
+    return groups
+
+
+def _to_device(arrays: List[np.ndarray], device: torch.device) -> List[torch.Tensor]:
+    """int64 and float32 host arrays on ``device`` in one copy (from pinned memory on CUDA), as views
+    of one buffer with their shapes and dtypes."""
+    spans, total = [], 0
+    for array in arrays:
+        words = array.size if array.dtype == np.int64 else (array.size + 1) // 2  # float32s, two a word
+        spans.append((total, words))
+        total += words
+    host = torch.empty(total, dtype=torch.int64, pin_memory=device.type == "cuda")
+    words_ = host.numpy()
+    for array, (start, words) in zip(arrays, spans):
+        if array.dtype == np.int64:
+            words_[start : start + words] = array.ravel()
+        else:
+            words_[start : start + words].view(np.float32)[: array.size] = array.ravel()
+    moved = host.to(device, non_blocking=True)
+    views = []
+    for array, (start, words) in zip(arrays, spans):
+        part = moved[start : start + words]
+        if array.dtype != np.int64:
+            part = part.view(torch.float32)[: array.size]
+        views.append(part.view(array.shape))
+    return views
+
+
+def restored(state: torch.Tensor) -> Optional[torch.Generator]:
+    """The CPU generator of a batch's ``state`` (None: empty).  Copied first: ``set_state`` reads a
+    tensor's storage from its start, so a view into a larger buffer (a worker's slot) would give
+    it the bytes before the state."""
+    if not state.numel():
+        return None
+    generator = torch.Generator()
+    generator.set_state(torch.from_numpy(state.cpu().numpy().copy()))
+    return generator
 
 
 def mixed_sizes(reader: Reader, i: int, size: Sequence[int], batch_size: Sequence[int]) -> PackedFormatError:
@@ -215,29 +356,3 @@ def decode_jpegs(blobs: List[torch.Tensor], device: torch.device) -> List[torch.
     with warnings.catch_warnings():  # its deprecation in favour of TorchCodec (see the module)
         warnings.simplefilter("ignore", DeprecationWarning)
         return list(decode_jpeg(blobs, mode=ImageReadMode.RGB, device=device))
-
-
-def _box(image: torch.Tensor, box: Sequence[int]) -> torch.Tensor:
-    """The ``box`` (top, left, height, width) of a CxHxW image, kept inside it and at least one pixel."""
-    top, left, height, width = box
-    bottom, right = max(top + 1, min(image.shape[1], top + height)), max(left + 1, min(image.shape[2], left + width))
-    return image[:, top:bottom, left:right]
-
-
-def cut(image: torch.Tensor, box: Sequence[int], size: Tuple[int, ...]) -> torch.Tensor:
-    """The ``box`` of a 3xHxW uint8 image, resized to ``size`` (height, width) by torch's antialiased
-    uint8 kernel (as a worker's decode does)."""
-    crop = _box(image, box)
-    if tuple(crop.shape[1:]) == tuple(size):
-        return crop
-    return native.resize(crop, (int(size[0]), int(size[1])))
-
-
-def cut_in_float(image: torch.Tensor, box: Sequence[int], size: Tuple[int, ...]) -> torch.Tensor:
-    """The ``box`` of a 3xHxW uint8 image resized to ``size`` (bilinear, antialiased) in float32, for
-    devices without torch's uint8 kernel: rounded, it is within one level of ``cut``."""
-    crop = _box(image, box)[None].float()
-    if tuple(crop.shape[2:]) == tuple(size):
-        return crop[0]
-    return F.interpolate(crop, size=(int(size[0]), int(size[1])), mode="bilinear", antialias=True,
-                         align_corners=False)[0]

@@ -20,6 +20,12 @@ A transform may take ``(images, labels)`` and return both (``labels``):
 torchvision's ``MixUp`` and ``CutMix`` as they are, any callable wrapped in
 ``WithLabels``.  ``make_loader`` runs it on each batch and its labels, last in
 a ``Compose`` after ``Normalize``; ``apply_with_labels`` does so by hand.
+
+``with_memory_format(transform, torch.channels_last)`` makes a transform's
+normalisation write channels-last batches directly (no float copy after it);
+``batchwise(transform)`` makes ``train``'s fused per-sample CPU passes one
+vectorised pass per step, as they run on a GPU (what follows a decode on the
+device).
 """
 
 from .augment import RandAugment, RandomErasing, TrivialAugmentWide
@@ -43,8 +49,10 @@ from .ops import (
     ToFloat,
     apply_transform,
     apply_with_labels,
+    batchwise,
     is_batch_transform,
     per_sample,
+    with_memory_format,
 )
 from .presets import train, val
 
@@ -71,6 +79,7 @@ __all__ = [
     "WithLabels",
     "apply_transform",
     "apply_with_labels",
+    "batchwise",
     "gathered_crops",
     "is_batch_transform",
     "per_sample",
@@ -78,4 +87,5 @@ __all__ = [
     "takes_labels",
     "train",
     "val",
+    "with_memory_format",
 ]

@@ -117,6 +117,34 @@ def resize_weights(offsets: torch.Tensor, lengths: torch.Tensor, size: int, exte
     return (weights / weights.sum(dim=2, keepdim=True)).float()
 
 
+def resampling_lines(lengths: np.ndarray, size: int, antialias: bool) -> Tuple[np.ndarray, np.ndarray]:
+    """(slopes [B], intercepts [B,size]), float64: the weight of source pixel k of window b for output
+    pixel i is ``triangle(slopes[b] * k + intercepts[b, i])`` (see ``triangle_weights``).
+
+    The weights of torch's bilinear ``interpolate`` (``align_corners=False``) of each window of
+    ``lengths[b]`` pixels to ``size``: a triangle centred on each output pixel, widened by the
+    downscale factor when ``antialias`` (torchvision's antialiased resize), normalised to sum to 1.
+    Computed here, on the host, from a few numbers per window: a device then needs two small
+    tensors and a handful of operator calls for the whole batch."""
+    scale = np.asarray(lengths, dtype=np.float64) / size  # source pixels per output pixel
+    stretch = np.maximum(scale, 1.0) if antialias else np.ones_like(scale)
+    centres = scale[:, None] * (np.arange(size, dtype=np.float64) + 0.5)
+    return 1.0 / stretch, (0.5 - centres) / stretch[:, None]
+
+
+def triangle_weights(slopes: torch.Tensor, intercepts: torch.Tensor, lengths: torch.Tensor,
+                     taps: torch.Tensor) -> torch.Tensor:
+    """float [B, size, extent]: resampling weights of B windows in one pass (8 operator calls).
+
+    ``slopes`` [B] and ``intercepts`` [B,size] as ``resampling_lines`` gives them, ``lengths`` [B]
+    each window's length and ``taps`` [extent] the source offsets 0, 1, ... (float, on the device):
+    taps at or past a window's length weigh nothing, whatever the pixels there."""
+    distance = torch.addcmul(intercepts[:, :, None], slopes[:, None, None], taps)
+    weights = (1.0 - distance.abs_()).clamp_(min=0.0)
+    weights.mul_(taps < lengths[:, None, None])
+    return weights.div_(weights.sum(dim=2, keepdim=True))
+
+
 def resized_crops(batch: torch.Tensor, boxes: Boxes, size: Tuple[int, int], antialias: bool = True,
                   allocate: Optional[Allocate] = None) -> torch.Tensor:
     """Crop box b of every sample b and resize it to ``size``, for the whole batch at once.
@@ -154,9 +182,11 @@ def crop_and_resize(batch: torch.Tensor, boxes: Boxes, size: Tuple[int, int], an
 
 
 # ---- flips ------------------------------------------------------------------------------------------
-def flip_samples(batch: torch.Tensor, flips: torch.Tensor, allocate: Optional[Allocate] = None) -> torch.Tensor:
-    """``batch`` with the samples where ``flips`` (bool [B]) is set mirrored left-right."""
-    if batch.device.type != "cpu":  # one vectorised pass suits a GPU
+def flip_samples(batch: torch.Tensor, flips: torch.Tensor, allocate: Optional[Allocate] = None,
+                 batchwise: bool = False) -> torch.Tensor:
+    """``batch`` with the samples where ``flips`` (bool [B]) is set mirrored left-right (``batchwise``:
+    in one vectorised pass on the CPU too, as on other devices)."""
+    if batchwise or batch.device.type != "cpu":  # one vectorised pass suits a GPU
         return torch.where(to_device(flips, batch.device).view(-1, 1, 1, 1), batch.flip(-1), batch)
     # On the CPU, copy sample by sample in the memory order: for a channels-last
     # batch, flipping its [H,W,C] view moves whole pixels (~9x faster than
@@ -211,25 +241,30 @@ def normalize_scale_shift(
     return to_device(scale, device), to_device(shift, device)
 
 
-def to_float(batch: torch.Tensor, dtype: torch.dtype = torch.float32,
-             allocate: Optional[Allocate] = None) -> torch.Tensor:
-    """uint8 [0, 255] -> ``dtype`` [0, 1]; a float batch is only cast."""
-    out = memory.output_buffer(batch.shape, dtype, batch.device, memory_format_of(batch), allocate)
+def to_float(batch: torch.Tensor, dtype: torch.dtype = torch.float32, allocate: Optional[Allocate] = None,
+             memory_format: Optional[torch.memory_format] = None) -> torch.Tensor:
+    """uint8 [0, 255] -> ``dtype`` [0, 1]; a float batch is only cast.  The result is laid out in
+    ``memory_format`` (None: the batch's own)."""
+    layout = memory_format_of(batch) if memory_format is None else memory_format
+    out = memory.output_buffer(batch.shape, dtype, batch.device, layout, allocate)
     out.copy_(batch)
     return out.mul_(UINT8_TO_UNIT) if batch.dtype == torch.uint8 else out
 
 
 def normalize(batch: torch.Tensor, mean: Sequence[float], std: Sequence[float], dtype: torch.dtype = torch.float32,
-              allocate: Optional[Allocate] = None) -> torch.Tensor:
-    """``(x - mean) / std`` per channel in ``dtype``, a uint8 batch first scaled to [0, 1], in one pass."""
+              allocate: Optional[Allocate] = None, memory_format: Optional[torch.memory_format] = None,
+              batchwise: bool = False) -> torch.Tensor:
+    """``(x - mean) / std`` per channel in ``dtype``, a uint8 batch first scaled to [0, 1], in one pass,
+    written in ``memory_format`` (None: the batch's own); ``batchwise``: in one pass over the batch
+    on the CPU too, as on other devices."""
     b, _, _, w = batch.shape
-    channels_last = memory_format_of(batch) == torch.channels_last
+    channels_last = (memory_format_of(batch) if memory_format is None else memory_format) == torch.channels_last
     out, rows = float_output(batch.shape, dtype, batch.device, channels_last, allocate)
     scale, shift = normalize_scale_shift(mean, std, dtype, batch.dtype, w, channels_last, batch.device)
     source = batch.permute(0, 2, 3, 1) if channels_last else batch
     # cast, scale and shift one sample at a time on the CPU, while it is in cache
     # (~1.5x faster than three passes over the batch); in one pass on a GPU
-    step = 1 if batch.device.type == "cpu" else b
+    step = 1 if batch.device.type == "cpu" and not batchwise else b
     for start in range(0, b, step):
         part = slice(start, start + step)
         out[part].copy_(source[part])
@@ -247,6 +282,7 @@ def crop_flip_to_float(
     scale: Scale,
     shift: Optional[torch.Tensor],
     allocate: Optional[Allocate] = None,
+    channels_last: bool = False,
 ) -> torch.Tensor:
     """Crop and resize, flip where ``flips`` says, cast and ``scale_and_shift`` a CPU uint8 batch, one sample at a time.
 
@@ -256,9 +292,10 @@ def crop_flip_to_float(
     ``train(224)`` on a [256,3,256,256] channels-last batch, one thread, into a
     reused output: crop ~34 ms, flip ~9-12 ms and Normalize ~15 ms as separate
     passes (~60 ms in all), ~43-46 ms fused.  The result is contiguous NCHW
-    whatever the input's layout (what models and DDP expect): each sample is
-    turned from the batch's layout as it is copied, while in cache, instead of
-    in another pass over the batch.  The arithmetic is that of
+    whatever the input's layout (what models and DDP expect), or channels-last
+    (NHWC in memory) when ``channels_last``: each sample is turned from the
+    batch's layout as it is copied, while in cache, instead of in another pass
+    over the batch.  The arithmetic is that of
     ``crop_and_resize``, ``flip_samples`` and ``normalize``/``to_float`` (cast,
     then ``scale_and_shift``), so the result is bit-identical to theirs.  The
     scale and shift are shaped as ``normalize_scale_shift`` gives them, for the
@@ -270,7 +307,7 @@ def crop_flip_to_float(
     """
     b, c = batch.shape[:2]
     h, w = size
-    out, rows = float_output((b, c, h, w), dtype, batch.device, False, allocate)
+    out, rows = float_output((b, c, h, w), dtype, batch.device, channels_last, allocate)
     mirrored = flips.tolist() if flips is not None else [False] * b
     windows = zip(*(t.tolist() for t in boxes)) if boxes is not None else [None] * b
     for i, box in enumerate(windows):
@@ -279,6 +316,7 @@ def crop_flip_to_float(
         else:
             top, left, height, width = box
             sample = resize(batch[i : i + 1, :, top : top + height, left : left + width], h, w, antialias)[0]
-        out[i].copy_(sample.flip(2) if mirrored[i] else sample)  # the sample's layout turned while in cache
+        sample = sample.flip(2) if mirrored[i] else sample
+        out[i].copy_(sample.permute(1, 2, 0) if channels_last else sample)  # layout turned while in cache
         scale_and_shift(rows[i], scale, shift)
-    return out
+    return out.permute(0, 3, 1, 2) if channels_last else out

@@ -11,9 +11,10 @@ made by a torch kernel (``Resize``) have nothing to place and ignore it.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union, cast
 
 import numpy as np
 import torch
@@ -382,17 +383,23 @@ class Resize(BatchTransform):
 
 
 class ToFloat(BatchTransform):
-    """uint8 [0, 255] -> float [0, 1]; a float batch is only cast to ``dtype``."""
+    """uint8 [0, 255] -> float [0, 1]; a float batch is only cast to ``dtype``.
 
-    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+    Args:
+        dtype: the floating point type of the result.
+        memory_format: the result's layout (``torch.channels_last`` or ``torch.contiguous_format``);
+            None: the batch's own (see ``with_memory_format``).
+    """
+
+    def __init__(self, dtype: torch.dtype = torch.float32, memory_format: Optional[torch.memory_format] = None) -> None:
         super().__init__()
-        self.dtype = dtype
+        self.dtype, self.memory_format = dtype, memory_format
 
     def forward(
         self, batch: torch.Tensor, generator: Optional[torch.Generator] = None, allocate: Optional[Allocate] = None
     ) -> torch.Tensor:
         _check_batch(batch)
-        return F.to_float(batch, self.dtype, allocate)
+        return F.to_float(batch, self.dtype, allocate, self.memory_format)
 
 
 class Normalize(BatchTransform):
@@ -403,18 +410,20 @@ class Normalize(BatchTransform):
     Args:
         mean, std: one value per channel, in [0, 1] units (std > 0).
         dtype: the floating point type of the result.
+        memory_format: the result's layout (``torch.channels_last`` or ``torch.contiguous_format``),
+            written as it is made; None: the batch's own (see ``with_memory_format``).
     """
 
     def __init__(
         self, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype = torch.float32, memory_format: Optional[torch.memory_format] = None,
     ) -> None:
         super().__init__()
         self.mean = tuple(float(m) for m in mean)
         self.std = tuple(float(s) for s in std)
         if len(self.mean) != len(self.std) or min(self.std) <= 0:
             raise ValueError(f"mean and std need one value per channel and std > 0, got {mean}, {std}")
-        self.dtype = dtype
+        self.dtype, self.memory_format = dtype, memory_format
 
     def check_channels(self, batch: torch.Tensor) -> None:
         """ValueError unless ``batch`` has one channel per mean."""
@@ -426,7 +435,7 @@ class Normalize(BatchTransform):
     ) -> torch.Tensor:
         _check_batch(batch)
         self.check_channels(batch)
-        return F.normalize(batch, self.mean, self.std, self.dtype, allocate)
+        return F.normalize(batch, self.mean, self.std, self.dtype, allocate, self.memory_format)
 
     def __repr__(self) -> str:
         return f"Normalize(mean={self.mean}, std={self.std})"
@@ -441,13 +450,16 @@ class CropFlipNormalize(Compose):
     generators in the same order and does their arithmetic, but resizes,
     flips, casts and normalises each sample while it is in cache, with no
     intermediate batches (see ``functional.crop_flip_to_float``).  Its result
-    is contiguous NCHW, whatever the input's layout.
+    is contiguous NCHW, whatever the input's layout, or in the normalisation's
+    ``memory_format`` when it has one (channels-last written directly, no copy after).
 
     Args:
         crop: the crop (its size, scale, ratio, antialias and generator are used).
         flip: the flip, or None for none.
-        normalize: a ``Normalize`` or ``ToFloat`` (its dtype, mean and std are used).
+        normalize: a ``Normalize`` or ``ToFloat`` (its dtype, mean, std and memory_format are used).
         generator: CPU generator used when ``forward`` gets none.
+        batchwise: run each step in one vectorised pass over the batch on the CPU too, as on
+            other devices (a few operator calls per batch), instead of one sample at a time.
     """
 
     def __init__(
@@ -456,26 +468,36 @@ class CropFlipNormalize(Compose):
         flip: Optional[RandomHorizontalFlip],
         normalize: Union[Normalize, ToFloat],
         generator: Optional[torch.Generator] = None,
+        batchwise: bool = False,
     ) -> None:
         if not isinstance(crop, RandomResizedCrop):
             raise TypeError(f"crop must be a RandomResizedCrop, got {type(crop).__name__}")
         _check_flip_and_normalize(flip, normalize)
         super().__init__([crop] + ([flip] if flip is not None else []) + [normalize], generator)
         self._parts = (crop, flip, normalize)  # a tuple: registered once, as the items of Compose
+        self.batchwise = batchwise
 
     def forward(
         self, batch: torch.Tensor, generator: Optional[torch.Generator] = None, allocate: Optional[Allocate] = None
     ) -> torch.Tensor:
-        if not _fuses(batch, self._parts[2]):
+        crop, flip, normalize = self._parts
+        if self.batchwise:
+            _check_batch(batch)
+            generator = self._rng(generator)
+            b, _, height, width = batch.shape
+            boxes = crop.get_params(b, height, width, generator=crop._rng(generator))
+            return _flip_normalize(F.resized_crops(batch, boxes, crop.size, crop.antialias), flip, normalize,
+                                   generator, allocate)
+        if not _fuses(batch, normalize):
             return super().forward(batch, generator, allocate)
         generator = self._rng(generator)
-        crop, flip, normalize = self._parts
         b, _, height, width = batch.shape
         boxes = crop.get_params(b, height, width, generator=crop._rng(generator))
         flips = flip.get_params(b, flip._rng(generator)) if flip is not None else None
-        scale, shift = _scale_shift(normalize, batch, crop.size[1])
+        channels_last = normalize.memory_format == torch.channels_last
+        scale, shift = _scale_shift(normalize, batch, crop.size[1], channels_last)
         return F.crop_flip_to_float(
-            batch, boxes, flips, crop.size, crop.antialias, normalize.dtype, scale, shift, allocate
+            batch, boxes, flips, crop.size, crop.antialias, normalize.dtype, scale, shift, allocate, channels_last
         )
 
 
@@ -485,34 +507,56 @@ class FlipNormalize(Compose):
     the crop while decoding.
 
     Bit-identical to the ops one after the other (which it runs on other batches), and its result
-    is contiguous NCHW: the flip, the cast and the turn from the batch's channels-last layout
-    happen while each sample is in cache, instead of in three passes over the batch.
+    is contiguous NCHW (or in the normalisation's ``memory_format`` when it has one): the flip, the
+    cast and the turn from the batch's channels-last layout happen while each sample is in cache,
+    instead of in three passes over the batch.
 
     Args:
         flip: the flip, or None for none.
-        normalize: a ``Normalize`` or ``ToFloat`` (its dtype, mean and std are used).
+        normalize: a ``Normalize`` or ``ToFloat`` (its dtype, mean, std and memory_format are used).
         generator: CPU generator used when ``forward`` gets none.
+        batchwise: flip and normalise in one vectorised pass each on the CPU too, as on other
+            devices (what follows a decode on the device: a few operator calls per batch).
     """
 
     def __init__(
         self, flip: Optional[RandomHorizontalFlip], normalize: Union[Normalize, ToFloat],
-        generator: Optional[torch.Generator] = None,
+        generator: Optional[torch.Generator] = None, batchwise: bool = False,
     ) -> None:
         _check_flip_and_normalize(flip, normalize)
         super().__init__(([flip] if flip is not None else []) + [normalize], generator)
         self._parts = (flip, normalize)
+        self.batchwise = batchwise
 
     def forward(
         self, batch: torch.Tensor, generator: Optional[torch.Generator] = None, allocate: Optional[Allocate] = None
     ) -> torch.Tensor:
         flip, normalize = self._parts
+        if self.batchwise:
+            _check_batch(batch)
+            return _flip_normalize(batch, flip, normalize, self._rng(generator), allocate)
         if not _fuses(batch, normalize):
             return super().forward(batch, generator, allocate)
         generator = self._rng(generator)
         b, _, height, width = batch.shape
         flips = flip.get_params(b, flip._rng(generator)) if flip is not None else None
-        scale, shift = _scale_shift(normalize, batch, width)
-        return F.crop_flip_to_float(batch, None, flips, (height, width), True, normalize.dtype, scale, shift, allocate)
+        channels_last = normalize.memory_format == torch.channels_last
+        scale, shift = _scale_shift(normalize, batch, width, channels_last)
+        return F.crop_flip_to_float(batch, None, flips, (height, width), True, normalize.dtype, scale, shift, allocate,
+                                    channels_last)
+
+
+def _flip_normalize(batch: torch.Tensor, flip: Optional[RandomHorizontalFlip], normalize: "Normalize | ToFloat",
+                    generator: Optional[torch.Generator], allocate: Optional[Allocate]) -> torch.Tensor:
+    """The flip (drawn from ``generator`` as ``RandomHorizontalFlip`` draws it) and the normalisation,
+    each in one vectorised pass over the batch, whatever its device."""
+    if flip is not None:
+        batch = F.flip_samples(batch, flip.get_params(batch.shape[0], flip._rng(generator)), batchwise=True)
+    if isinstance(normalize, Normalize):
+        normalize.check_channels(batch)
+        return F.normalize(batch, normalize.mean, normalize.std, normalize.dtype, allocate, normalize.memory_format,
+                           batchwise=True)
+    return F.to_float(batch, normalize.dtype, allocate, normalize.memory_format)
 
 
 def _check_flip_and_normalize(flip: object, normalize: object) -> None:
@@ -533,11 +577,73 @@ def _fuses(batch: torch.Tensor, normalize: "Normalize | ToFloat") -> bool:
     return not isinstance(normalize, Normalize) or batch.shape[1] == len(normalize.mean)
 
 
-def _scale_shift(normalize: "Normalize | ToFloat", batch: torch.Tensor, width: int
+def _scale_shift(normalize: "Normalize | ToFloat", batch: torch.Tensor, width: int, channels_last: bool
                  ) -> Tuple[F.Scale, Optional[torch.Tensor]]:
-    """The fused passes' scale and shift, shaped for the result's contiguous NCHW rows of ``width``."""
+    """The fused passes' scale and shift, shaped for the result's rows of ``width`` (NHWC rows when
+    ``channels_last``, else contiguous NCHW ones)."""
     if isinstance(normalize, Normalize):
         return F.normalize_scale_shift(
-            normalize.mean, normalize.std, normalize.dtype, batch.dtype, width, False, batch.device
+            normalize.mean, normalize.std, normalize.dtype, batch.dtype, width, channels_last, batch.device
         )
     return F.UINT8_TO_UNIT, None
+
+
+# ---- a transform prepared for where it runs ---------------------------------------------------------
+def with_memory_format(transform: Optional[Callable], memory_format: Optional[torch.memory_format]
+                       ) -> Optional[Callable]:
+    """``transform`` with its final normalisation (``Normalize`` or ``ToFloat``, alone, last in a
+    ``Compose`` of ours, or in ``train``'s fused passes) writing ``memory_format`` directly: a
+    channels-last batch needs no copy after it.  A copy where something changes, the transform
+    itself otherwise (one that ends otherwise is returned as it is)."""
+    if memory_format is None:
+        return transform
+
+    def laid_out(step: Callable) -> Optional[Callable]:
+        if isinstance(step, (Normalize, ToFloat)):
+            if step.memory_format == memory_format:
+                return step
+            changed = copy.copy(step)
+            changed.memory_format = memory_format
+            return changed
+        return None
+
+    return _rebuilt(transform, laid_out, last_only=True)
+
+
+def batchwise(transform: Optional[Callable]) -> Optional[Callable]:
+    """``transform`` with ``train``'s fused passes (``CropFlipNormalize``, ``FlipNormalize``, alone or in
+    a ``Compose`` of ours) made ``batchwise``: one vectorised pass per step on the CPU too, as on a
+    GPU.  What runs after a decode on the device, whatever the device: a few operator calls per
+    batch.  A copy where something changes, the transform itself otherwise."""
+    return _rebuilt(transform, lambda step: None, last_only=False, batchwise_=True)
+
+
+def _rebuilt(transform: Optional[Callable], change: Callable[[Callable], Optional[Callable]], last_only: bool,
+             batchwise_: bool = False) -> Optional[Callable]:
+    """``transform`` rebuilt with ``change(step)`` (None: unchanged) applied to its normalisation
+    steps (the last one only where ``last_only``) and fused passes made batchwise if ``batchwise_``."""
+    if transform is None:
+        return None
+    changed = change(transform)
+    if changed is not None:
+        return changed
+    if isinstance(transform, (CropFlipNormalize, FlipNormalize)):
+        normalize = transform._parts[-1]
+        new_normalize = cast(Union[Normalize, ToFloat], change(normalize) or normalize)
+        batched = transform.batchwise or batchwise_
+        if new_normalize is normalize and batched == transform.batchwise:
+            return transform
+        if isinstance(transform, CropFlipNormalize):
+            crop, flip, _ = transform._parts
+            return CropFlipNormalize(crop, flip, new_normalize, transform.generator, batched)
+        return FlipNormalize(transform._parts[0], new_normalize, transform.generator, batched)
+    if type(transform) is Compose:
+        steps = list(transform.transforms)
+        chosen = [len(steps) - 1] if last_only and steps else range(len(steps))
+        new_steps = list(steps)
+        for k in chosen:
+            new_steps[k] = cast(Callable, _rebuilt(steps[k], change, last_only, batchwise_))
+        if all(a is b for a, b in zip(new_steps, steps)):
+            return transform
+        return Compose(new_steps, transform.generator)
+    return transform

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple
 
+import torch
+
 from .augment import RandAugment, RandomErasing, TrivialAugmentWide
 from .ops import (
     IMAGENET_MEAN,
@@ -24,7 +26,7 @@ from .ops import (
 def train(
     size: Size, scale: Tuple[float, float] = (0.08, 1.0), mean: Sequence[float] = IMAGENET_MEAN,
     std: Sequence[float] = IMAGENET_STD, *, auto_augment: Optional[str] = None, ra_magnitude: int = 9,
-    random_erase: float = 0.0,
+    random_erase: float = 0.0, memory_format: Optional[torch.memory_format] = None,
 ) -> Compose:
     """ImageNet-style training: RandomResizedCrop(size), RandomHorizontalFlip, Normalize (fused on the CPU).
 
@@ -41,8 +43,12 @@ def train(
             AutoAugment policies are not supported: ValueError).
         ra_magnitude: ``RandAugment``'s magnitude (the reference's ``--ra-magnitude``).
         random_erase: ``RandomErasing``'s probability per image; 0 for none (``--random-erase``).
+        memory_format: the layout ``Normalize`` writes its result in (``torch.channels_last`` for a
+            channels-last model: no copy after it); None: contiguous NCHW from the fused CPU pass,
+            the batch's own layout elsewhere.  ``make_loader`` sets it to its own ``memory_format``.
     """
-    crop, flip, normalize = RandomResizedCrop(size, scale=scale), RandomHorizontalFlip(), Normalize(mean, std)
+    crop, flip = RandomResizedCrop(size, scale=scale), RandomHorizontalFlip()
+    normalize = Normalize(mean, std, memory_format=memory_format)
     augment = _auto_augment(auto_augment, ra_magnitude)
     if augment is None and not random_erase:
         return CropFlipNormalize(crop, flip, normalize)
@@ -67,7 +73,7 @@ def _auto_augment(policy: Optional[str], ra_magnitude: int) -> Optional[BatchTra
 
 def val(
     size: Size, resize: Optional[int] = None, mean: Sequence[float] = IMAGENET_MEAN,
-    std: Sequence[float] = IMAGENET_STD,
+    std: Sequence[float] = IMAGENET_STD, memory_format: Optional[torch.memory_format] = None,
 ) -> Compose:
     """ImageNet-style evaluation: Resize(shorter side to ``resize``), CenterCrop(size), Normalize.
 
@@ -76,7 +82,8 @@ def val(
         resize: the shorter side images are resized to first (default: size / 0.875; the
             reference's ``--val-resize-size``).
         mean, std: ``Normalize``'s per-channel mean and standard deviation, in [0, 1] units.
+        memory_format: the layout ``Normalize`` writes its result in (None: the batch's own).
     """
     if resize is None:
         resize = int(round(max(_pair(size)) / 0.875))
-    return Compose([Resize(resize), CenterCrop(size), Normalize(mean, std)])
+    return Compose([Resize(resize), CenterCrop(size), Normalize(mean, std, memory_format=memory_format)])
