@@ -16,6 +16,7 @@ from ..parts import parse_part
 from ..policy import RESIZE_MODES
 from ..prepare import parse_size
 from ..sources import source_formats
+from ..storage.urls import redact
 
 HELP = "pack an image dataset (a folder, or the zip/tar/HDF5/... it came in) into a zip/hdf5/lmdb/memmap archive"
 EXAMPLES = """examples:
@@ -107,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         with one_line_warnings("convert"):
             summary = _convert(args)
     except ConversionInterrupted as exc:
-        print(f"packed-formats convert: {exc}; nothing was written to {args.dst}", file=sys.stderr)
+        print(f"packed-formats convert: {exc}; nothing was written to {redact(str(args.dst))}", file=sys.stderr)
         return 128 + exc.signum
     if not args.quiet:
         print(summary.line())

@@ -79,7 +79,7 @@ def describe_archive(path: str) -> Dict[str, Any]:
         m = reader.manifest
         counts = np.bincount(reader.labels, minlength=len(m.classes)) if len(reader) else np.zeros(len(m.classes))
         facts = {
-            "path": path,
+            "path": storage.clean_url(path) if storage.is_remote(path) else path,  # a URL's credentials hidden
             "format": m.format,
             "mode": m.mode,
             "samples": m.count,

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from ..stage import default_stage_dir, stage_archive
+from ..storage.urls import redact
 
 HELP = "copy an archive to node-local disk (once per node, verified) and print its local path"
 
@@ -34,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     directory = args.to or default_stage_dir()
     if not args.quiet:
-        print(f"staging {args.archive} to {directory} ...", file=sys.stderr)
+        print(f"staging {redact(args.archive)} to {directory} ...", file=sys.stderr)
     result = stage_archive(args.archive, directory, timeout=args.timeout)
     if not args.quiet:
         if result.copied:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..storage.urls import redact
 from ..verify import verify_archive
 
 HELP = ("check every sample's checksum, its ZIP records in a ZIP archive, and with --decode that every "
@@ -27,5 +28,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     report = verify_archive(args.path, decode=args.decode, max_report=max(0, args.max_report), progress=not args.quiet)
     for line in report.lines():
-        print(line)
+        print(redact(line))  # a URL is named without its credentials
     return 0 if report.ok else 1

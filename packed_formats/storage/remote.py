@@ -9,6 +9,12 @@ thread of its own, which ends with the call.
 
 Transient failures (5xx, throttling, reset connections, a body cut short, timeouts) are retried
 with exponential backoff and jitter; a download is fetched in ranges, each checked for its length.
+A read that receives no byte for ``stall_timeout`` seconds (60 by default; the store's
+``storage_options={"stall_timeout": 5}`` or the environment's ``PF_STALL_TIMEOUT``) fails that
+try, and is retried like the others.
+
+Requests go to the URL as given (``urls.request_url``: a presigned URL keeps its signature);
+errors, logs and records name it as shown (``urls.clean_url``: no credentials).
 Permanent failures raise named errors that give the URL without credentials:
 ``RemoteNotFoundError`` (missing), ``RemoteAccessError`` (403, credentials),
 ``RemoteChangedError`` (another size or ETag than the one recorded),
@@ -35,7 +41,7 @@ from ..errors import (
     RemoteNotFoundError,
     RemoteUnavailableError,
 )
-from .urls import clean_url, filesystem, redact
+from .urls import HTTP_SCHEMES, basename, clean_url, filesystem, redact, request_url
 
 T = TypeVar("T")
 CHUNK_BYTES = 8 << 20  # one ranged GET
@@ -43,6 +49,7 @@ CONCURRENT_RANGES = 4  # in flight per download
 ATTEMPTS = int(os.environ.get("PF_REMOTE_ATTEMPTS", "5"))  # tries of one request before RemoteUnavailableError
 BACKOFF_S = 0.1  # the first retry's wait; doubled each time, up to MAX_BACKOFF_S, with jitter
 MAX_BACKOFF_S = 8.0
+STALL_TIMEOUT_S = 60.0  # a read that receives no byte for this long fails (one try; then retried)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,8 +68,9 @@ class ObjectInfo:
 
 
 def object_info(info: Dict[str, Any]) -> ObjectInfo:
-    """ObjectInfo from an fsspec ``info`` dict (S3 ETag, GCS etag/generation, HTTP ETag)."""
-    etag = next((str(info[k]) for k in ("ETag", "etag", "generation", "md5Hash", "mtime") if info.get(k)), "")
+    """ObjectInfo from an fsspec ``info`` dict (S3 ETag, GCS etag/generation, HTTP ETag or Last-Modified)."""
+    keys = ("ETag", "etag", "generation", "md5Hash", "mtime", "Last-Modified")
+    etag = next((str(info[k]) for k in keys if info.get(k)), "")
     return ObjectInfo(int(info.get("size") or 0), etag.strip('"'))
 
 
@@ -80,6 +88,10 @@ def _classify(exc: BaseException, url: str) -> BaseException:
     text = redact(f"{type(exc).__name__}: {exc}")
     if isinstance(exc, RemoteError):
         return exc
+    cause = exc.__cause__
+    if isinstance(exc, FileNotFoundError) and cause is not None and type(cause).__module__.startswith("aiohttp") \
+            and _http_status(cause) != 404:
+        return _classify(cause, url)  # fsspec's http info says "not found" for any failure: 503, 403, a timeout
     if isinstance(exc, FileNotFoundError):
         return RemoteNotFoundError(url, "no such object in the store", hint="check the URL and the bucket")
     if isinstance(exc, PermissionError):
@@ -99,11 +111,14 @@ def _classify(exc: BaseException, url: str) -> BaseException:
         return RemoteError(url, f"the store refused the request ({text})")
     if isinstance(exc, (ImportError, MissingDependencyError, TypeError, AttributeError)):
         return exc  # a bug or a missing package: no retry hides it
+    if isinstance(exc, TimeoutError) or "Timeout" in type(exc).__name__:
+        return _Transient(f"{text} (no byte arrived within the stall timeout)")
     return _Transient(text)
 
 
 def _http_status(exc: BaseException) -> Optional[int]:
-    for candidate in (getattr(exc, "status", None), getattr(exc, "code", None)):
+    for name in ("status", "code"):  # aiohttp's status (its "code" is deprecated), urllib's code
+        candidate = getattr(exc, name, None)
         if isinstance(candidate, int) and 100 <= candidate < 600:
             return candidate
     response = getattr(exc, "response", None)
@@ -221,31 +236,79 @@ def _botocore_session() -> Any:
     return _SESSIONS[pid]
 
 
+def stall_timeout(storage_options: Optional[Dict[str, Any]] = None) -> float:
+    """Seconds a read may receive no byte before it fails: ``storage_options["stall_timeout"]``, else the
+    environment's ``PF_STALL_TIMEOUT``, else STALL_TIMEOUT_S (RemoteError if it is not a positive number)."""
+    given = (storage_options or {}).get("stall_timeout", os.environ.get("PF_STALL_TIMEOUT", STALL_TIMEOUT_S))
+    try:
+        seconds = float(given)
+    except (TypeError, ValueError):
+        seconds = -1.0
+    if not seconds > 0:
+        raise RemoteError(None, f"the stall timeout must be a positive number of seconds, not {given!r}",
+                          hint='set storage_options={"stall_timeout": 60} or PF_STALL_TIMEOUT=60')
+    return seconds
+
+
+def _with_timeouts(scheme: str, options: Dict[str, Any], seconds: float) -> Dict[str, Any]:
+    """The file system's options with the stall timeout as the protocol's own connect and read
+    timeouts (an option the caller gave wins)."""
+    if scheme in HTTP_SCHEMES:
+        try:
+            import aiohttp
+        except ImportError:  # fsspec's HTTP file system needs it: ``filesystem`` names the extra to install
+            return options
+        client = dict(options.get("client_kwargs") or {})
+        client.setdefault("timeout", aiohttp.ClientTimeout(total=None, sock_connect=seconds, sock_read=seconds))
+        return dict(options, client_kwargs=client)
+    if scheme in ("s3", "s3a"):
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("connect_timeout", seconds)
+        config.setdefault("read_timeout", seconds)
+        return dict(options, config_kwargs=config)
+    return options
+
+
+def fs_path(fs: Any, url: str) -> str:
+    """The path in ``fs`` of the object at ``url`` (a shown URL or a ``RemoteURL``): what requests use."""
+    return str(fs._strip_protocol(request_url(url)))
+
+
 class Store:
-    """One store location's objects (URLs), with the file system options to reach it."""
+    """One store location's objects (URLs), with the file system options to reach it.
+
+    A URL given to its methods is sent as ``request_url`` makes it (a ``RemoteURL`` sends the URL it
+    was made from: a presigned URL keeps its signature) and named in errors as ``clean_url`` shows it.
+    ``storage_options`` go to fsspec, but for ``stall_timeout`` (seconds, see ``stall_timeout``)."""
 
     def __init__(self, storage_options: Optional[Dict[str, Any]] = None) -> None:
         self.storage_options = dict(storage_options or {})
+        self.stall_timeout = stall_timeout(self.storage_options)
 
     def run(self, url: str, body: Callable[[Any, str], Awaitable[T]]) -> T:
         """``body(fs, path)`` on an event loop of this process's idle ones (``_LoopPool``), with the file
         system (and its connections) that loop keeps for these options: a client is made once per loop,
-        not per call (making one costs tens of milliseconds of CPU, more than a small part's download)."""
-        options = dict(self.storage_options, asynchronous=True, skip_instance_cache=True)
-        if url.startswith(("s3://", "s3a://")) and "session" not in options:
+        not per call (making one costs tens of milliseconds of CPU, more than a small part's download).
+        ``path`` is the path of ``url``'s request in ``fs``."""
+        request = request_url(url)
+        scheme = request.split("://", 1)[0]
+        options = {k: v for k, v in self.storage_options.items() if k != "stall_timeout"}
+        options = dict(_with_timeouts(scheme, options, self.stall_timeout), asynchronous=True,
+                       skip_instance_cache=True)
+        if scheme in ("s3", "s3a") and "session" not in options:
             options["session"] = _botocore_session()
         # the environment is part of what a file system was made with (endpoint, credentials, profile)
         environment = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(_CONFIGURING)))
-        key = (url.split("://", 1)[0].lower(), repr(sorted(self.storage_options.items())), environment)
+        key = (scheme, repr(sorted(self.storage_options.items())), self.stall_timeout, environment)
 
         async def main(loop: "_PooledLoop") -> T:
             fs = loop.filesystems.get(key)
             if fs is None:
-                fs, _ = filesystem(url, options)
+                fs, _ = filesystem(request, options)
                 if hasattr(fs, "set_session"):
                     loop.sessions.append(await fs.set_session())
                 loop.filesystems[key] = fs
-            return await body(fs, fs._strip_protocol(url))
+            return await body(fs, fs._strip_protocol(request))
 
         try:
             asyncio.get_running_loop()
@@ -259,29 +322,29 @@ class Store:
     # ---- reading ----
     def info(self, url: str) -> ObjectInfo:
         """The object's size and ETag (RemoteNotFoundError if it does not exist)."""
-        url = clean_url(url)
+        shown = clean_url(url)
 
         async def body(fs: Any, path: str) -> ObjectInfo:
-            details = await ainfo(fs, path, url)
+            details = await ainfo(fs, path, shown)
             if details.get("type") == "directory":
-                raise RemoteNotFoundError(url, "a directory (prefix), not an object")
+                raise RemoteNotFoundError(shown, "a directory (prefix), not an object")
             return object_info(details)
 
         return self.run(url, body)
 
     def tree(self, url: str) -> Dict[str, ObjectInfo]:
         """Every object under the prefix ``url`` (a memmap archive is a directory), by relative path."""
-        url = clean_url(url).rstrip("/")
+        shown = clean_url(url).rstrip("/")
 
-        return self.run(url, lambda fs, path: atree(fs, path, url))
+        return self.run(url, lambda fs, path: atree(fs, path.rstrip("/"), shown))
 
     def is_directory(self, url: str) -> bool:
         """Whether ``url`` is a prefix holding objects rather than an object."""
-        url = clean_url(url).rstrip("/")
+        shown = clean_url(url).rstrip("/")
 
         async def body(fs: Any, path: str) -> bool:
             try:
-                details = await ainfo(fs, path, url)
+                details = await ainfo(fs, path.rstrip("/"), shown)
             except RemoteNotFoundError:
                 return False
             return details.get("type") == "directory"
@@ -290,13 +353,13 @@ class Store:
 
     def read(self, url: str, start: int = 0, end: Optional[int] = None) -> bytes:
         """Bytes [start, end) of the object (all of it by default), retried until complete."""
-        url = clean_url(url)
+        shown = clean_url(url)
 
         async def body(fs: Any, path: str) -> bytes:
             stop = end
             if stop is None:
-                stop = object_info(await ainfo(fs, path, url)).size
-            return await _fetch(fs, path, url, start, stop)
+                stop = object_info(await ainfo(fs, path, shown)).size
+            return await _fetch(fs, path, shown, start, stop)
 
         return self.run(url, body)
 
@@ -311,21 +374,20 @@ class Store:
         """``download`` of each (url, target, expected), all on one session (a folder's files)."""
         if not items:
             return
-        items = [(clean_url(url), target, expected) for url, target, expected in items]
 
         async def body(fs: Any, _: str) -> None:
             gate = asyncio.Semaphore(CONCURRENT_RANGES)
 
             async def one_object(url: str, target: str, expected: ObjectInfo) -> None:
-                path = fs._strip_protocol(url)
-                await _expect(fs, path, url, expected)
+                path, shown = fs_path(fs, url), clean_url(url)
+                await _expect(fs, path, shown, expected)
                 fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 try:
                     os.ftruncate(fd, expected.size)
 
                     async def one_range(start: int) -> None:
                         async with gate:
-                            data = await _fetch(fs, path, url, start, min(expected.size, start + CHUNK_BYTES))
+                            data = await _fetch(fs, path, shown, start, min(expected.size, start + CHUNK_BYTES))
                         os.pwrite(fd, data, start)
                         if on_bytes is not None:
                             on_bytes(len(data))
@@ -344,13 +406,13 @@ class Store:
     # ---- writing ----
     def upload(self, local: str, url: str) -> ObjectInfo:
         """Put the local file at ``url``; return what the store now holds there."""
-        url = clean_url(url)
+        shown = clean_url(url)
 
         async def body(fs: Any, path: str) -> ObjectInfo:
-            await _retrying(url, lambda: fs._put_file(local, path), "uploading")
-            info = object_info(await _retrying(url, lambda: fs._info(path), "checking the upload"))
+            await _retrying(shown, lambda: fs._put_file(local, path), "uploading")
+            info = object_info(await _retrying(shown, lambda: fs._info(path), "checking the upload"))
             if info.size != os.path.getsize(local):
-                raise RemoteError(url, f"the upload holds {info.size} bytes, not the {os.path.getsize(local)} sent")
+                raise RemoteError(shown, f"the upload holds {info.size} bytes, not the {os.path.getsize(local)} sent")
             return info
 
         return self.run(url, body)
@@ -358,11 +420,11 @@ class Store:
     def remove(self, urls: List[str]) -> None:
         """Delete the objects (those missing are ignored)."""
         for url in urls:
-            url = clean_url(url)
+            shown = clean_url(url)
 
-            async def body(fs: Any, path: str, url: str = url) -> None:
+            async def body(fs: Any, path: str, shown: str = shown) -> None:
                 try:
-                    await _retrying(url, lambda: fs._rm_file(path), "deleting")
+                    await _retrying(shown, lambda: fs._rm_file(path), "deleting")
                 except RemoteNotFoundError:
                     pass
 
@@ -371,15 +433,38 @@ class Store:
 
 # ---- coroutines for a body given to Store.run (several requests on one session) ----
 async def ainfo(fs: Any, path: str, url: str) -> Dict[str, Any]:
-    """fsspec's info dict of the object (retried; named errors)."""
-    return await _retrying(url, lambda: fs._info(path), "asking for the object's size")
+    """fsspec's info dict of the object (retried; named errors; RemoteError for an object of no known
+    size, as an HTTP server that sends no Content-Length gives)."""
+    details: Dict[str, Any] = await _retrying(url, lambda: fs._info(path), "asking for the object's size")
+    if details.get("size") is None and details.get("type") != "directory":
+        raise RemoteError(url, "the server gives no size for it (no Content-Length), so it cannot be read in ranges",
+                          hint="serve it with a Content-Length (a plain static file server does)")
+    return details
 
 
 async def atree(fs: Any, path: str, url: str) -> Dict[str, ObjectInfo]:
-    """Every object under the prefix, by path relative to it."""
+    """Every object under the prefix, by path relative to it.
+
+    Raises:
+        RemoteNotFoundError: over http(s), for the folder ``url`` itself (HTTP has no listing: it is
+            not an object there, and a folder there cannot be read);
+        RemoteError: over http(s), for a folder beside ``url`` (a memmap set's parts).
+    """
+    if _is_http(fs):
+        why = ("HTTP has no listing, so a folder (a memmap archive, or a memmap set's part) cannot be read "
+               "over http(s)")
+        hint = "serve zip, hdf5 or lmdb archives over http(s), or read memmap sets from an object store (s3://, gs://)"
+        if basename(path) == basename(url):
+            raise RemoteNotFoundError(url, f"no such object on the server ({why})", hint=hint)
+        raise RemoteError(url, why, hint=hint)
     found = await _retrying(url, lambda: fs._find(path, detail=True), "listing the directory")
     prefix = path.rstrip("/") + "/"
     return {name[len(prefix):]: object_info(d) for name, d in sorted(found.items()) if name.startswith(prefix)}
+
+
+def _is_http(fs: Any) -> bool:
+    protocol = getattr(fs, "protocol", ())
+    return any(p in HTTP_SCHEMES for p in ((protocol,) if isinstance(protocol, str) else protocol))
 
 
 async def aread(fs: Any, path: str, url: str, start: int, end: int) -> bytes:

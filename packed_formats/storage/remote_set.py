@@ -65,8 +65,8 @@ from ..index import SampleIndex
 from ..manifest import ArchiveManifest
 from ..tracebacks import drops_frames
 from .cache import Lease, PartCache, cache_errors, confined, entry_name
-from .remote import ObjectInfo, Store, ainfo, aread, atree, object_info
-from .urls import basename, clean_url, join
+from .remote import ObjectInfo, Store, ainfo, aread, atree, fs_path, object_info
+from .urls import RemoteURL, basename, join
 
 DEFAULT_OPEN_PARTS = 4  # parts a process holds (and pins in the cache) at once, unless told otherwise
 DOWNLOAD_TRIES = 3  # a download whose content fails its checksums is fetched again this many times in all
@@ -106,7 +106,7 @@ def open_remote(url: str, *, verify: Any = True, cache_dir: Optional[str] = None
     """A Reader of the set or archive at ``url``, read through the node-local cache."""
     from ..backends import sharded
 
-    url = clean_url(url)
+    url = RemoteURL(url)  # shown without its secrets, sent with them
     store, cache = Store(storage_options), PartCache(cache_dir, cache_limit)
     folder = cache.namespace(url)
     local_index = os.path.join(folder, basename(url) or "set")
@@ -235,7 +235,8 @@ def _describe(url: str, store: Store) -> Dict[str, Any]:
                 files = {k[len(name) + 1:]: v for k, v in listing.items() if k.startswith(name + "/")}
                 parts.append(_folder_part(join(url, name), files, count))
         else:
-            infos = await asyncio.gather(*(ainfo(fs, f"{folder}/{n}", join(url, n)) for n in index["names"]))
+            infos = await asyncio.gather(*(ainfo(fs, fs_path(fs, join(url, n)), join(url, n))
+                                           for n in index["names"]))
             parts = [RemotePart(n, join(url, n), c, object_info(i))
                      for n, c, i in zip(index["names"], index["counts"], infos)]
         return {"format": index["format"], "parts": parts, "samples": _samples_entry(url, spec.get("samples")),
