@@ -230,7 +230,7 @@ def _botocore_session() -> Any:
             from aiobotocore.session import AioSession
         except ImportError:
             raise MissingDependencyError(None, "s3:// needs s3fs (and aiobotocore)",
-                                         hint="pip install 'packed_formats[remote]'") from None
+                                         hint="pip install '.[remote]' in packed_formats' folder") from None
         _SESSIONS.clear()
         _SESSIONS[pid] = AioSession()
     return _SESSIONS[pid]

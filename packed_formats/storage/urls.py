@@ -50,7 +50,7 @@ _SECRET_PARAMETER = re.compile(rf"(?i)([?&;#][^=&;#?\s]*(?:{_SECRET_WORDS})[^=&;
 # the same, percent-encoded (a URL quoted whole inside another's path, as some errors show a key)
 _ENCODED_SECRET_PARAMETER = re.compile(rf"(?i)((?:%3F|%26|%3B|%23)[A-Za-z0-9_.~-]*(?:{_SECRET_WORDS})"
                                        rf"[A-Za-z0-9_.~-]*%3D)[^&#\s\"]*")
-INSTALL_HINT = "pip install 'packed_formats[remote]' (fsspec with s3fs, gcsfs and aiohttp)"
+INSTALL_HINT = "pip install '.[remote]' in packed_formats' folder (fsspec with s3fs, gcsfs and aiohttp)"
 
 
 def is_remote(path: Any) -> bool:
