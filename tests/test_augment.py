@@ -415,6 +415,21 @@ def test_a_labels_transform_given_only_images_says_so(call):
         call(random_images(4))
 
 
+def test_a_mixer_not_marked_as_taking_labels_is_told_its_images_dtype_and_to_use_with_labels(labelled_archive):
+    """A plain ``fn(images, labels)`` after Normalize gets float32 images one at a time: the error says
+    float32 (what it got), and how to give it the labels."""
+    def blend_with_next(images, labels):
+        return (images + images.roll(1, 0)) / 2, labels
+
+    loader = pf.make_loader(labelled_archive, batch_size=8, num_workers=0,
+                            transform=T.Compose([T.Normalize(), blend_with_next]))
+    with pytest.raises(TypeError) as caught:
+        next(iter(loader))
+    message = str(caught.value)
+    assert "float32" in message and "uint8" not in message
+    assert "pf.transforms.WithLabels(" in message and "(images, labels)" in message
+
+
 def test_mixup_of_uint8_batches_says_to_normalise_first(labelled_archive):
     loader = pf.make_loader(labelled_archive, batch_size=8, num_workers=0, transform=v2.MixUp(num_classes=3))
     with pytest.raises(ValueError, match="needs float images.*after pf.transforms.Normalize"):

@@ -253,3 +253,83 @@ def test_make_loader_crops_photos_at_decode_for_a_torchvision_pipeline(photos):
     transform = v2.Compose([v2.RandomResizedCrop(40), v2.RandomHorizontalFlip(), v2.ToDtype(torch.float32, scale=True)])
     images, labels = next(iter(pf.make_loader(photos, batch_size=8, num_workers=0, transform=transform)))
     assert images.shape == (8, 3, 40, 40) and images.dtype == torch.float32 and labels.shape == (8,)
+
+
+# ---- torchvision's window ----
+# Odd and even sides, portrait, landscape and square, smaller and larger than the resize: the sizes
+# where a resized side or a centring margin rounds one way or the other.
+RAMP_SIZES = [
+    (231, 347), (347, 231), (224, 224), (225, 225), (256, 256), (257, 383), (375, 500), (500, 375),
+    (333, 500), (240, 320), (241, 321), (299, 299), (300, 451), (451, 300), (480, 640), (427, 640),
+    (640, 427), (183, 275), (200, 301), (301, 200), (255, 257), (257, 255), (313, 417), (417, 313),
+    (500, 333), (243, 365), (365, 243), (289, 433), (199, 199), (612, 459),
+]
+
+
+def ramp(height: int, width: int) -> torch.Tensor:
+    """uint8 [3,H,W]: across the width, down the height, and along both (a one-pixel shift shows in each)."""
+    y = torch.linspace(0, 255, height).view(-1, 1).expand(height, width)
+    x = torch.linspace(0, 255, width).view(1, -1).expand(height, width)
+    return torch.stack([x, y, (x + y) / 2]).round().to(torch.uint8)
+
+
+def torchvision_window(height: int, width: int, resize: int, crop: int):
+    """(top, left, resized height, resized width): where torchvision's ``Resize(resize)`` then
+    ``CenterCrop(crop)`` cut an image of ``height`` x ``width``, found by running them."""
+    from torchvision.transforms import v2
+
+    resized_h, resized_w = v2.Resize(resize)(torch.zeros(1, height, width)).shape[-2:]
+    places = torch.arange(resized_h * resized_w).view(1, resized_h, resized_w)
+    first = int(v2.CenterCrop(crop)(places)[0, 0, 0])
+    return first // resized_w, first % resized_w, resized_h, resized_w
+
+
+@pytest.mark.parametrize("height, width", RAMP_SIZES)
+def test_val_boxes_are_torchvisions_resize_and_center_crop_window_to_the_nearest_source_pixel(height, width):
+    """Each edge of the box lies within half a source pixel of torchvision's window taken back to the source."""
+    top, left, resized_h, resized_w = torchvision_window(height, width, 256, 224)
+    box = CenterCropAtDecode(256, T.CenterCrop(224)).boxes(np.array([height]), np.array([width]), None)[0]
+    y0, x0, h, w = box.tolist()
+    edges = [(y0, top * height / resized_h), (y0 + h, (top + 224) * height / resized_h),
+             (x0, left * width / resized_w), (x0 + w, (left + 224) * width / resized_w)]
+    for got, exact in edges:
+        assert abs(got - exact) <= 0.5, (box.tolist(), edges)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32])
+def test_val_resize_and_center_crop_on_a_batch_are_torchvisions(dtype):
+    """Without decoding, Resize(256) + CenterCrop(224) give torchvision's pixels exactly."""
+    from torchvision.transforms import v2
+
+    ours, theirs = T.Compose([T.Resize(256), T.CenterCrop(224)]), v2.Compose([v2.Resize(256), v2.CenterCrop(224)])
+    for height, width in RAMP_SIZES:
+        image = ramp(height, width).to(dtype) * (97 if dtype == torch.float32 else 1)  # float: a steep ramp
+        expected = theirs(image)
+        got = ours(image[None])[0]
+        if dtype == torch.uint8 and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+            assert (got.int() - expected.int()).abs().max() <= 1  # torchvision resizes in float there
+        else:
+            assert torch.equal(got, expected), (height, width)
+
+
+def test_val_cropped_at_decode_is_torchvisions_resize_and_center_crop(tmp_path):
+    """``val(224)`` through make_loader on lossless ramps of many sizes (cut while decoding) against
+    torchvision's ``Resize(256) + CenterCrop(224)`` of the same pixels: within the resize's rounding
+    (the box's edges are whole source pixels, torchvision's window edges fractional ones): two levels
+    anywhere, half a level on average (a window one pixel off is further on the smaller ramps)."""
+    from torchvision.transforms import v2
+
+    path = str(tmp_path / "ramps.zip")
+    images = [ramp(h, w) for h, w in RAMP_SIZES]
+    with pf.open_writer(path, mode="encoded", classes=["ramp"]) as writer:
+        for k, image in enumerate(images):
+            png = io.BytesIO()
+            Image.fromarray(image.permute(1, 2, 0).numpy()).save(png, format="PNG")
+            writer.add(png.getvalue(), 0, f"ramp{k}.png")
+    loader = pf.make_loader(path, batch_size=len(images), num_workers=0, shuffle=False,
+                            transform=T.val(224, mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0)))
+    cut, _ = next(iter(loader))
+    theirs = v2.Compose([v2.Resize(256), v2.CenterCrop(224)])
+    for got, image, size in zip(cut, images, RAMP_SIZES):
+        difference = ((got * 255).round() - theirs(image).float()).abs()
+        assert difference.max() <= 2 and difference.mean() <= 0.5, (size, float(difference.mean()))

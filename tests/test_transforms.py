@@ -165,6 +165,14 @@ def test_compose_accepts_plain_callables():
     assert out.shape == (1, 3, 4, 4) and int(out.min()) == 1
 
 
+def test_a_per_image_transform_that_fails_is_told_the_dtype_of_the_image_it_got():
+    from torchvision.transforms import ToTensor  # takes PIL images and arrays, not tensors
+
+    with pytest.raises(TypeError, match=r"failed on one float64 \[C,H,W\] image of shape \(3, 8, 8\)") as caught:
+        T.Compose([T.ToFloat(torch.float64), ToTensor()])(torch.zeros(2, 3, 8, 8, dtype=torch.uint8))
+    assert "uint8" not in str(caught.value) and "pf.transforms.WithLabels" in str(caught.value)
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 def test_gathered_crops_equal_the_per_sample_windows(layout):
     batch = position_batch()
@@ -383,3 +391,72 @@ def test_a_batch_transform_without_allocate_still_runs_last_in_a_compose():
     out = T.Compose([T.CenterCrop(4), Doubled()])(batch, generator=gen(), allocate=Allocator())
     assert torch.equal(out, T.CenterCrop(4)(batch) * 2)
     assert torch.equal(T.apply_transform(Doubled(), batch, gen(), Allocator()), batch * 2)
+
+
+# ---- how transforms print
+def example_transforms():
+    """One instance of every public transform class, its arguments away from their defaults, and the
+    ``name=value`` texts its repr must hold."""
+    crop = T.RandomResizedCrop((24, 32), scale=(0.3, 0.9), ratio=(0.5, 2.0), antialias=False)
+    crop_texts = ["size=(24, 32)", "scale=(0.3, 0.9)", "ratio=(0.5, 2.0)", "interpolation=bilinear", "antialias=False"]
+    flip = T.RandomHorizontalFlip(p=0.25)
+    normalize = T.Normalize((0.1, 0.2, 0.3), (0.4, 0.5, 0.6), dtype=torch.float64, memory_format=torch.channels_last)
+    normalize_texts = ["mean=(0.1, 0.2, 0.3)", "std=(0.4, 0.5, 0.6)", "dtype=torch.float64",
+                       "memory_format=torch.channels_last"]
+    return {
+        T.BatchTransform: (T.BatchTransform(), []),
+        T.Batched: (T.Batched(abs), ["abs"]),
+        T.CenterCrop: (T.CenterCrop((24, 32)), ["size=(24, 32)"]),
+        T.Compose: (T.Compose([T.CenterCrop(7), flip]), ["CenterCrop(size=(7, 7))", "RandomHorizontalFlip(p=0.25)"]),
+        T.CropFlipNormalize: (T.CropFlipNormalize(crop, flip, normalize, batchwise=True),
+                              crop_texts + ["p=0.25"] + normalize_texts + ["batchwise=True"]),
+        T.FlipNormalize: (T.FlipNormalize(flip, normalize, batchwise=True), ["p=0.25"] + normalize_texts
+                          + ["batchwise=True"]),
+        T.Normalize: (normalize, normalize_texts),
+        T.RandAugment: (T.RandAugment(num_ops=3, magnitude=5, num_magnitude_bins=11, interpolation="bilinear",
+                                      fill=[1.0, 2.0, 3.0]),
+                        ["num_ops=3", "magnitude=5", "num_magnitude_bins=11", "interpolation=bilinear",
+                         "fill=[1.0, 2.0, 3.0]"]),
+        T.RandomCrop: (T.RandomCrop((24, 32)), ["size=(24, 32)"]),
+        T.RandomErasing: (T.RandomErasing(p=0.7, scale=(0.1, 0.2), ratio=(0.5, 1.5), value="random"),
+                          ["p=0.7", "scale=(0.1, 0.2)", "ratio=(0.5, 1.5)", "value='random'"]),
+        T.RandomHorizontalFlip: (flip, ["p=0.25"]),
+        T.RandomResizedCrop: (crop, crop_texts),
+        T.Resize: (T.Resize(40, antialias=False), ["size=40", "interpolation=bilinear", "antialias=False"]),
+        T.ToFloat: (T.ToFloat(torch.float16, memory_format=torch.channels_last),
+                    ["dtype=torch.float16", "memory_format=torch.channels_last"]),
+        T.TrivialAugmentWide: (T.TrivialAugmentWide(num_magnitude_bins=7, interpolation="bilinear", fill=9.0),
+                               ["num_magnitude_bins=7", "interpolation=bilinear", "fill=9.0"]),
+        T.WithLabels: (T.WithLabels(divmod), ["divmod"]),
+    }
+
+
+def test_every_public_transform_prints_its_name_and_arguments():
+    examples = example_transforms()
+    public = {getattr(T, name) for name in T.__all__ if isinstance(getattr(T, name), type)}
+    assert public == set(examples)  # a new transform class needs an example here
+    for kind, (transform, texts) in examples.items():
+        text = repr(transform)
+        assert text.startswith(f"{kind.__name__}("), text
+        assert [t for t in texts if t not in text] == [], text
+
+
+def test_a_compose_prints_one_transform_a_line_indented_as_torchvision_does():
+    inner = T.Compose([T.CenterCrop(7), T.ToFloat()])
+    assert repr(T.Compose([inner, T.RandomHorizontalFlip()])) == "\n".join([
+        "Compose(",
+        "    Compose(",
+        "        CenterCrop(size=(7, 7))",
+        "        ToFloat(dtype=torch.float32)",
+        "    )",
+        "    RandomHorizontalFlip(p=0.5)",
+        ")",
+    ])
+
+
+def test_the_recipes_print_their_sizes_and_settings():
+    train = repr(T.train(224, scale=(0.35, 1.0)))
+    assert "RandomResizedCrop(size=(224, 224), scale=(0.35, 1.0), ratio=(0.75, 1.3333)" in train
+    assert "RandomHorizontalFlip(p=0.5)" in train and "Normalize(mean=(0.485, 0.456, 0.406)" in train
+    val = repr(T.val(224))
+    assert "Resize(size=256, interpolation=bilinear, antialias=True)" in val and "CenterCrop(size=(224, 224))" in val

@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional, Protocol, Tuple
 import numpy as np
 import torch
 
+from . import functional as F
 from .ops import (
     CenterCrop,
     Compose,
@@ -65,25 +66,37 @@ class RandomCropAtDecode:
 
 
 class CenterCropAtDecode:
-    """``Resize(shorter side to resize)`` then ``CenterCrop(size)``, as a box in each source image."""
+    """``Resize(shorter side to resize)`` then ``CenterCrop(size)``, as a box in each source image.
+
+    The window is torchvision's, to the nearest source pixel: the resized size and the
+    window's place in it by torchvision's arithmetic (``functional.shorter_side_sizes``,
+    ``functional.center_offsets``), each edge then taken back to the source image (which the
+    resize stretches by ``source / resized`` along each side) and rounded there.
+    """
 
     def __init__(self, resize: int, crop: CenterCrop) -> None:
         self.resize, self.size = resize, crop.size
 
     def boxes(self, heights: np.ndarray, widths: np.ndarray, generator: Optional[torch.Generator]) -> Boxes:
-        h, w = heights.astype(np.float64), widths.astype(np.float64)
-        scale = self.resize / np.minimum(h, w)  # Resize's rounding of the resized size, then the central window
-        resized_h, resized_w = np.rint(h * scale), np.rint(w * scale)
+        heights, widths = np.asarray(heights, dtype=np.int64), np.asarray(widths, dtype=np.int64)
+        resized_h, resized_w = F.shorter_side_sizes(heights, widths, self.resize)
         crop_h, crop_w = self.size
         if np.any(resized_h < crop_h) or np.any(resized_w < crop_w):
             raise ValueError(f"CenterCrop{self.size} does not fit an image resized to shorter side {self.resize}")
-        top, left = (resized_h - crop_h) // 2, (resized_w - crop_w) // 2
-        box = np.stack([top / scale, left / scale, crop_h / scale, crop_w / scale], axis=1)
-        box = np.rint(box).astype(np.int64)
-        box[:, 2:] = np.maximum(box[:, 2:], 1)
-        box[:, 2] = np.minimum(box[:, 2], heights - box[:, 0])
-        box[:, 3] = np.minimum(box[:, 3], widths - box[:, 1])
-        return box
+        tops, bottoms = _source_edges(F.center_offsets(resized_h, crop_h), crop_h, heights, resized_h)
+        lefts, rights = _source_edges(F.center_offsets(resized_w, crop_w), crop_w, widths, resized_w)
+        return np.stack([tops, lefts, bottoms - tops, rights - lefts], axis=1)
+
+
+def _source_edges(starts: np.ndarray, crop: int, lengths: np.ndarray, resized: np.ndarray
+                  ) -> Tuple[np.ndarray, np.ndarray]:
+    """(first, past the last), int64: the source pixels of the resized pixels ``starts`` to ``starts + crop``
+    along sides of ``lengths`` source and ``resized`` resized pixels, each edge rounded to the nearest
+    source pixel (at least one pixel, within the side)."""
+    first = np.rint(starts * lengths / resized).astype(np.int64)
+    last = np.rint((starts + crop) * lengths / resized).astype(np.int64)
+    first = np.minimum(first, lengths - 1)
+    return first, np.clip(last, first + 1, lengths)
 
 
 def split_at_decode(transform: Optional[Callable]) -> Optional[Tuple[CropAtDecode, Optional[Callable]]]:

@@ -150,11 +150,8 @@ class _AutoAugment(BatchTransform):
             source = out
         return out if len(ops) else out.copy_(batch)
 
-    def _settings(self) -> str:
-        return f"num_magnitude_bins={self.num_magnitude_bins}, interpolation={self.interpolation!r}, fill={self.fill!r}"
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self._settings()})"
+    def extra_repr(self) -> str:
+        return f"num_magnitude_bins={self.num_magnitude_bins}, interpolation={self.interpolation}, fill={self.fill!r}"
 
 
 def _pick(batch: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
@@ -238,8 +235,8 @@ class RandAugment(_AutoAugment):
         ops = torch.randint(len(self.op_names), (self.num_ops, batch_size), generator=generator)
         return ops, self._signed(table[ops, self.magnitude], ops, signed, generator)
 
-    def _settings(self) -> str:
-        return f"num_ops={self.num_ops}, magnitude={self.magnitude}, {super()._settings()}"
+    def extra_repr(self) -> str:
+        return f"num_ops={self.num_ops}, magnitude={self.magnitude}, {super().extra_repr()}"
 
 
 class RandomErasing(BatchTransform):
@@ -325,5 +322,5 @@ class RandomErasing(BatchTransform):
         seed = int(torch.randint(2**62, (), generator=generator))
         return torch.Generator(batch.device).manual_seed(seed)
 
-    def __repr__(self) -> str:
-        return f"RandomErasing(p={self.p}, scale={self.scale}, ratio={self.ratio}, value={self.value!r})"
+    def extra_repr(self) -> str:
+        return f"p={self.p}, scale={self.scale}, ratio={self.ratio}, value={self.value!r}"

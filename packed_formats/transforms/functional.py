@@ -15,6 +15,7 @@ from typing import Optional, Sequence, Tuple, Union, cast
 import numpy as np
 import torch
 import torch.nn.functional as F
+from numpy.typing import ArrayLike
 
 from .. import memory
 from ..memory import Allocate, memory_format_of
@@ -56,6 +57,29 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)
+
+
+# ---- sizes and windows ------------------------------------------------------------------------------
+def shorter_side_sizes(heights: ArrayLike, widths: ArrayLike, size: int) -> Tuple[np.ndarray, np.ndarray]:
+    """(heights, widths), int64: the images' sizes once their shorter side is resized to ``size``.
+
+    torchvision's arithmetic for ``Resize(size)``: the shorter side (the width
+    when the sides are equal) becomes ``size``, the longer one ``int(size *
+    long / short)``, truncated.  Elementwise over arrays of image sizes."""
+    heights, widths = np.asarray(heights, dtype=np.int64), np.asarray(widths, dtype=np.int64)
+    portrait = widths <= heights
+    short, long = np.where(portrait, widths, heights), np.where(portrait, heights, widths)
+    longer = (size * long / short).astype(np.int64)  # one float64 division, truncated as int() does
+    sized = np.full_like(longer, size)
+    return np.where(portrait, longer, sized), np.where(portrait, sized, longer)
+
+
+def center_offsets(lengths: ArrayLike, crop: int) -> np.ndarray:
+    """int64: where a central window of ``crop`` pixels starts along sides of ``lengths`` pixels.
+
+    torchvision's ``CenterCrop`` arithmetic: ``int(round((length - crop) / 2.0))``, an odd
+    margin rounded half to even (as Python's ``round`` and ``np.rint`` do)."""
+    return np.rint((np.asarray(lengths, dtype=np.int64) - crop) / 2.0).astype(np.int64)
 
 
 # ---- crops ------------------------------------------------------------------------------------------

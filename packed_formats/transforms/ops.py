@@ -69,6 +69,20 @@ class BatchTransform(nn.Module):
     ) -> torch.Tensor:
         raise NotImplementedError
 
+    def __repr__(self) -> str:
+        """``Name(argument=value, ...)`` as torchvision prints its transforms (``extra_repr`` gives the arguments)."""
+        return f"{type(self).__name__}({self.extra_repr()})"
+
+
+def _arguments(*required: str, **optional: object) -> str:
+    """``extra_repr``'s text: the ``required`` ``name=value`` parts, then those of ``optional`` set (not None)."""
+    return ", ".join(list(required) + [f"{name}={value}" for name, value in optional.items() if value is not None])
+
+
+def _indented(transform: object) -> str:
+    """``repr(transform)`` as a line of a container's listing: indented by four spaces, its own lines too."""
+    return "    " + repr(transform).replace("\n", "\n    ")
+
 
 class Batched:
     """Marks a callable as taking whole ``[B,C,H,W]`` batches: ``make_loader(transform=Batched(fn))``.
@@ -144,11 +158,7 @@ def per_sample(transform: Callable, batch: torch.Tensor) -> torch.Tensor:
         try:
             output = transform(image)
         except TypeError as exc:
-            raise TypeError(
-                f"the transform {transform!r} failed on a uint8 [C,H,W] tensor ({exc}); make_loader gives each "
-                "image as a tensor, so use tensor transforms (pf.transforms, or torchvision.transforms.v2 with "
-                "ToDtype instead of ToTensor), or wrap a callable that takes whole batches in pf.transforms.Batched"
-            ) from exc
+            raise TypeError(_per_image_failure(transform, image, exc)) from exc
         if not isinstance(output, torch.Tensor):
             raise TypeError(
                 f"the transform {transform!r} returned {type(output).__name__}, not a tensor: make_loader stacks "
@@ -164,6 +174,35 @@ def per_sample(transform: Callable, batch: torch.Tensor) -> torch.Tensor:
             "resize to one size so that they stack into a batch"
         )
     return torch.stack(outputs)
+
+
+def _per_image_failure(transform: Callable, image: torch.Tensor, error: TypeError) -> str:
+    """Why ``transform`` failed on one image of a batch (a TypeError it raised), and what to give instead."""
+    got = f"one {str(image.dtype).replace('torch.', '')} [C,H,W] image of shape {tuple(image.shape)}"
+    if _needs_two_arguments(transform):
+        return (
+            f"the transform {transform!r} failed on {got} ({error}); it seems to take (images, labels), as "
+            "MixUp or CutMix do, but was given images only, one at a time: wrap it as "
+            "pf.transforms.WithLabels(fn), so that it gets each whole batch and its labels, and returns both "
+            "(make_loader and pf.transforms.apply_with_labels pass the labels along)"
+        )
+    return (
+        f"the transform {transform!r} failed on {got} ({error}); make_loader gives each image as a tensor, "
+        "so use tensor transforms (pf.transforms, or torchvision.transforms.v2 with ToDtype instead of ToTensor), "
+        "wrap a callable that takes whole batches in pf.transforms.Batched, or one that takes (images, labels) "
+        "in pf.transforms.WithLabels"
+    )
+
+
+def _needs_two_arguments(transform: Callable) -> bool:
+    """Whether calling ``transform`` needs at least two positional arguments (as ``fn(images, labels)``)."""
+    try:
+        parameters = inspect.signature(transform.forward if isinstance(transform, nn.Module) else transform
+                                       ).parameters.values()
+    except (TypeError, ValueError):  # a builtin or extension without a signature
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(p.kind in positional and p.default is inspect.Parameter.empty for p in parameters) >= 2
 
 
 def _takes_allocate(transform: BatchTransform) -> bool:
@@ -214,12 +253,17 @@ class Compose(BatchTransform):
         return images, labels
 
     def __repr__(self) -> str:
-        inner = ", ".join(repr(t) for t in self.transforms)
-        return f"{type(self).__name__}([{inner}])"
+        """torchvision's listing: the name, then one transform a line, indented (a nested one's lines too)."""
+        settings = self.extra_repr()
+        lines = ([f"    {settings}"] if settings else []) + [_indented(t) for t in self.transforms]
+        if not lines:
+            return f"{type(self).__name__}()"
+        return "\n".join([f"{type(self).__name__}("] + lines + [")"])
 
 
 class CenterCrop(BatchTransform):
-    """The central ``size`` window of every image (a view, no copy)."""
+    """The central ``size`` window of every image (a view, no copy), placed as torchvision's
+    ``CenterCrop`` places it (``functional.center_offsets``: an odd margin rounded half to even)."""
 
     def __init__(self, size: Size) -> None:
         super().__init__()
@@ -231,8 +275,11 @@ class CenterCrop(BatchTransform):
         _check_batch(batch)
         (h, w), (height, width) = self.size, batch.shape[-2:]
         _check_fits(self, h, w, height, width)
-        top, left = (height - h) // 2, (width - w) // 2
+        top, left = int(F.center_offsets(height, h)), int(F.center_offsets(width, w))  # torchvision's rounding
         return batch[:, :, top : top + h, left : left + w]
+
+    def extra_repr(self) -> str:
+        return f"size={self.size}"
 
 
 class RandomCrop(BatchTransform):
@@ -260,6 +307,9 @@ class RandomCrop(BatchTransform):
         b, _, height, width = batch.shape
         tops, lefts = self.get_params(b, height, width, generator=self._rng(generator))
         return F.crops(batch, tops, lefts, self.size, allocate)
+
+    def extra_repr(self) -> str:
+        return f"size={self.size}"
 
 
 class RandomResizedCrop(BatchTransform):
@@ -340,6 +390,11 @@ class RandomResizedCrop(BatchTransform):
             return F.resized_crops(batch, boxes, self.size, self.antialias)
         return F.crop_and_resize(batch, boxes, self.size, self.antialias, allocate)
 
+    def extra_repr(self) -> str:
+        ratio = tuple(round(r, 4) for r in self.ratio)  # (0.75, 1.3333), as torchvision prints it
+        return (f"size={self.size}, scale={self.scale}, ratio={ratio}, interpolation=bilinear, "
+                f"antialias={self.antialias}")
+
 
 class RandomHorizontalFlip(BatchTransform):
     """Mirror each image left-right with probability ``p``, independently per sample (``generator``:
@@ -359,10 +414,14 @@ class RandomHorizontalFlip(BatchTransform):
         _check_batch(batch)
         return F.flip_samples(batch, self.get_params(batch.shape[0], self._rng(generator)), allocate)
 
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
 
 class Resize(BatchTransform):
-    """Bilinear resize of the whole batch: shorter side to ``size`` (int) or exactly (h, w),
-    filtered when shrinking unless ``antialias`` is False."""
+    """Bilinear resize of the whole batch: shorter side to ``size`` (int; the longer one to
+    torchvision's ``int(size * long / short)``, ``functional.shorter_side_sizes``) or exactly
+    (h, w), filtered when shrinking unless ``antialias`` is False."""
 
     def __init__(self, size: Size, antialias: bool = True) -> None:
         super().__init__()
@@ -375,11 +434,14 @@ class Resize(BatchTransform):
         _check_batch(batch)
         height, width = batch.shape[-2:]
         if isinstance(self.size, int):
-            short = min(height, width)
-            h, w = round(height * self.size / short), round(width * self.size / short)
+            heights, widths = F.shorter_side_sizes(height, width, self.size)  # torchvision's rounding
+            h, w = int(heights), int(widths)
         else:
             h, w = self.size
         return F.resize(batch, h, w, self.antialias)
+
+    def extra_repr(self) -> str:
+        return f"size={self.size}, interpolation=bilinear, antialias={self.antialias}"
 
 
 class ToFloat(BatchTransform):
@@ -400,6 +462,9 @@ class ToFloat(BatchTransform):
     ) -> torch.Tensor:
         _check_batch(batch)
         return F.to_float(batch, self.dtype, allocate, self.memory_format)
+
+    def extra_repr(self) -> str:
+        return _arguments(f"dtype={self.dtype}", memory_format=self.memory_format)
 
 
 class Normalize(BatchTransform):
@@ -437,8 +502,9 @@ class Normalize(BatchTransform):
         self.check_channels(batch)
         return F.normalize(batch, self.mean, self.std, self.dtype, allocate, self.memory_format)
 
-    def __repr__(self) -> str:
-        return f"Normalize(mean={self.mean}, std={self.std})"
+    def extra_repr(self) -> str:
+        dtype = None if self.dtype == torch.float32 else self.dtype
+        return _arguments(f"mean={self.mean}", f"std={self.std}", dtype=dtype, memory_format=self.memory_format)
 
 
 class CropFlipNormalize(Compose):
@@ -476,6 +542,9 @@ class CropFlipNormalize(Compose):
         super().__init__([crop] + ([flip] if flip is not None else []) + [normalize], generator)
         self._parts = (crop, flip, normalize)  # a tuple: registered once, as the items of Compose
         self.batchwise = batchwise
+
+    def extra_repr(self) -> str:
+        return "batchwise=True" if self.batchwise else ""
 
     def forward(
         self, batch: torch.Tensor, generator: Optional[torch.Generator] = None, allocate: Optional[Allocate] = None
@@ -527,6 +596,9 @@ class FlipNormalize(Compose):
         super().__init__(([flip] if flip is not None else []) + [normalize], generator)
         self._parts = (flip, normalize)
         self.batchwise = batchwise
+
+    def extra_repr(self) -> str:
+        return "batchwise=True" if self.batchwise else ""
 
     def forward(
         self, batch: torch.Tensor, generator: Optional[torch.Generator] = None, allocate: Optional[Allocate] = None
