@@ -1,28 +1,29 @@
 """HDF5: raw samples in one uint8 [N,H,W,C] dataset chunked one image per chunk;
-encoded samples in a flat uint8 byte dataset plus an offsets dataset.
+encoded samples in a flat uint8 byte dataset of 64 KiB chunks plus an offsets dataset.
 
-Readable by ``h5ls``/``h5dump``/plain h5py.  Files are opened read-only with
-file locking off (safe for sealed archives, and needed on Lustre/NFS), and a
-handle inherited through fork is closed in the child before reopening: HDF5
-would otherwise hand the child the parent's file id.
+Readable by ``h5ls``/``h5dump``/plain h5py.  HDF5 writes the archive; it never
+reads one in a reading process.  HDF5 trusts the metadata it parses: damage
+there, or a file made to look sealed, can make it hang forever or crash the
+process (a damaged chunk index is read at every sample), and no checksum a
+writer can recompute makes its parser safe.  So the writer stores in the
+file's user block (``hdf5_guard``) the CRC32 of every byte range HDF5 reads
+when it opens the archive and a locator of the manifest's stored text, the
+index arrays and (encoded) a chunk table: each chunk's file address, listed
+once at write time (``hdf5_layout``).  A reader checks the user block, reads
+the manifest and maps the index from the located spans (each checked against
+the file's size; the index then by the manifest's CRC32s), and reads each raw
+image with ``pread`` at the index's ``positions`` (a batch: gathered from a map
+of the file) and encoded bytes at the chunk table's addresses: every offset it
+reads at lies in its own checked index, and is checked against the file before
+use.  Archives written before the locator are described by HDF5 in a child
+process under a time limit (``hdf5_probe``): a crash or a hang there ends that
+process and names the file damaged.
 
-Opening costs the same at any number of samples.  The index datasets are
-written contiguous and unfiltered, so readers map them from the file
-(``index_map``) instead of loading them; a raw archive stores each image's
-chunk address in the index (``positions``) at write time, so readers map the
-images without listing HDF5's chunks (one pass over its chunk B-tree, ~1 s
-per million images, in every process) -- archives written before that are
-still listed.  Raw images are read from the map or with ``read_direct_chunk``,
-neither of which uses HDF5's chunk cache, so raw archives are opened with
-none; encoded ones keep a small one (see ``ENCODED_CACHE_BYTES``).  The
-index lives in the data file: a file truncated under a reader is caught
-before each read (``check_size``), as reading a mapped page it no longer has
-would end the process with SIGBUS.
-
-HDF5 trusts the metadata it parses (damage there can make it hang), so the
-writer stores in the file's user block the CRC32 of every byte range HDF5
-reads when a reader opens the archive, and readers check them before HDF5
-opens it (``hdf5_guard``).
+Opening costs the same at any number of samples: the index arrays are written
+contiguous and unfiltered and mapped from the file (``index_map``).  The index
+lives in the data file: a file truncated under a reader is caught before each
+read (``check_size``), as reading a mapped page it no longer has would end the
+process with SIGBUS.
 """
 
 from __future__ import annotations
@@ -30,86 +31,65 @@ from __future__ import annotations
 import errno
 import os
 import threading
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import h5py
 import numpy as np
 
-from ..errors import (
-    ArchiveNotFoundError,
-    ArchivePermissionError,
-    CorruptArchiveError,
-    IncompleteArchiveError,
-    PackedFormatError,
-    UnknownFormatError,
-)
+from ..checksum import crc32
+from ..errors import ArchiveNotFoundError, ArchivePermissionError, ClosedArchiveError, CorruptArchiveError
 from ..index import SampleIndex
 from ..manifest import ArchiveManifest
-from . import hdf5_guard, index_map, mapped
-from .base import Backend, FormatSpec, Handle, Identity, Writer, fd_identity
+from . import hdf5_guard, hdf5_layout, index_map, mapped
+from .base import DAMAGED_HINT, Backend, FormatSpec, Handle, Writer
 
 MANIFEST_ATTR = "packed_formats_manifest"
 _ENCODED_CHUNK = 1 << 16
-# Encoded reads slice the flat byte dataset through HDF5's chunk cache.  Without one, a
-# random read reads just its bytes (measured as fast as with 4 MiB); a few chunks let a
-# sequential read take its first chunk from the previous sample's.  The cache is per open
-# file and per process (a 1,000-part sharded set opens 1,000), so it is kept this small.
-ENCODED_CACHE_BYTES = 4 * _ENCODED_CHUNK
-_ENCODED_CACHE_SLOTS = 101  # a prime well above the chunks the cache holds, as HDF5 advises
 _INDEX_NAMES = ("labels", "keys", "crc32", "offsets", "positions")
+CHUNKS_NAME = "chunk_table"  # encoded: the file address of each chunk of "data", which readers read from
 _SAMPLE_NAMES = ("images", "data")
-_AGREE_ROWS = 16  # index entries compared, at each end, between a mapped index array and HDF5's read
-CONVERT_HINT = "convert it into one first: `packed-formats convert SRC DST`"
-
-
-# HDF5 runs one call at a time in a process anyway (h5py's global lock): ours costs nothing, and keeps
-# threads reading one file at once safe with h5py before 3.15, whose chunk reads corrupt the heap then
-_H5_CALLS = threading.RLock()
+_AGREE_ROWS = 16  # index entries HDF5 reads at each end of an index array when the seal is recorded
 
 
 class HDF5Handle(Handle):
-    """An open file and its sample dataset (looked up once, not per read), and the size the
-    file must keep: the index arrays are mapped from it."""
+    """This process's descriptor of the archive's file, the size the file must keep (the index
+    arrays are mapped from it), and a map of its images (raw archives, made on first batch)."""
 
-    def __init__(self, file: h5py.File, data: h5py.Dataset, needed: int = 0) -> None:
-        self.file, self.data, self.needed = file, data, needed
-        plist = data.id.get_create_plist()
-        self.whole_chunks = data.ndim == 4 and data.chunks == (1,) + data.shape[1:] and plist.get_nfilters() == 0
+    def __init__(self, fd: int, needed: int = 0) -> None:
+        self.fd: Optional[int] = fd
+        self.needed = needed
         self.rows: "Optional[mapped.MappedRows | bool]" = None  # False: not mappable
-        # HDF5's descriptor of the file, asked once: it lives as long as the file is open, and h5py before
-        # 3.15 corrupts its heap when threads ask for it at once
-        fd = file.id.get_vfd_handle()
-        self.fd: Optional[int] = fd if isinstance(fd, int) else None
+        self._mapping = threading.Lock()  # threads reading batches at once make one map
 
     def check_size(self) -> None:
         """FileTruncatedError when the file became shorter than when it was opened: its mapped
         index (and images) may lie in what was cut off, and touching that is SIGBUS."""
-        mapped.check_file_size(self.fd if self.fd is not None else self.file.id.get_vfd_handle(), self.needed)
+        if self.fd is None:
+            raise ClosedArchiveError(None, "the archive's handle is closed")
+        mapped.check_file_size(self.fd, self.needed)
 
     def fileno(self) -> Optional[int]:
-        """HDF5's descriptor of the file: ``Reader`` checks the file through it before each read or batch."""
+        """The file's descriptor: ``Reader`` checks the file through it before each read or batch."""
         return self.fd
 
-    def mapped_rows(
-        self, path: str, identity: Optional[Identity], positions: Optional[np.ndarray]
-    ) -> "Optional[mapped.MappedRows]":
-        """The images' chunks in a map of the file (made once), when every image is one
-        unfiltered chunk at a known address (the index's ``positions``, else listed by
-        HDF5 >= h5py 3.8), else None."""
-        if self.rows is None:
-            with _H5_CALLS:
-                if self.rows is None:
-                    self.rows = _map_chunks(path, identity, self.data, positions) or False
+    def mapped_rows(self, positions: np.ndarray, nbytes: int) -> "Optional[mapped.MappedRows]":
+        """The images at ``positions`` in a map of the file (made once), or None when one lies outside it."""
+        with self._mapping:
+            if self.rows is None and self.fd is not None:
+                inside = len(positions) > 0 and int(np.min(positions)) >= 0
+                self.rows = (mapped.MappedRows.of(self.fd, positions, nbytes) if inside else None) or False
         return self.rows if isinstance(self.rows, mapped.MappedRows) else None
 
     def close(self) -> None:
         if isinstance(self.rows, mapped.MappedRows):
             self.rows.close()
         self.rows = None
-        self.file.close()
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            os.close(fd)
 
     def discard_inherited(self) -> None:
-        self.close()  # else the child's reopen returns the parent's file id (h5py#934)
+        self.close()  # this process's copies of the parent's descriptor and map; the parent keeps its own
 
 
 class HDF5Writer(Writer):
@@ -126,7 +106,8 @@ class HDF5Writer(Writer):
             chunks, stored, per_entry = count, payload, 2 * 56  # a rank-4 chunk key (48 bytes) and its address
         else:
             chunks = payload // _ENCODED_CHUNK + parts
-            stored, per_entry = chunks * _ENCODED_CHUNK, 2 * 32  # a rank-1 key (24 bytes) and its address
+            # a rank-1 key (24 bytes) and its address, and the chunk's address in the chunk table
+            stored, per_entry = chunks * _ENCODED_CHUNK, 2 * 32 + 8
         return stored + chunks * per_entry + parts * (hdf5_guard.USERBLOCK + _FILE_METADATA) + _room_margin(
             _BLOCK_SAMPLES)
 
@@ -192,8 +173,15 @@ class HDF5Writer(Writer):
 
     def finish(self, index: SampleIndex, manifest: ArchiveManifest) -> None:
         self._write_pending()
-        _ensure_room(self.temp_path, sum(a.nbytes for a in index.arrays().values()) + len(manifest.to_json()), 0)
+        table = (self._filled // _ENCODED_CHUNK + 1) * 8 if self.mode == "encoded" else 0  # the chunk table
+        _ensure_room(self.temp_path, sum(a.nbytes for a in index.arrays().values()) + len(manifest.to_json()) + table,
+                     0)
         self._data.resize(len(index) if self.mode == "raw" else self._filled, axis=0)
+        if self.mode == "encoded" and self._filled:
+            self._file.flush()  # a chunk still in HDF5's cache has no address yet
+            chunks = _chunk_positions(self._data)
+            if chunks is not None:  # else readers ask HDF5 for them, in a child process
+                self._file.create_dataset(CHUNKS_NAME, data=chunks)  # contiguous: located in the user block
         for name, array in index.arrays().items():
             self._file.create_dataset(name, data=array)  # contiguous and unfiltered: readers map it
         self._file.attrs[MANIFEST_ATTR] = manifest.to_json()  # the seal, written last
@@ -231,106 +219,189 @@ def _ensure_room(path: str, nbytes: int, samples: int) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
 
 
-def _open_file(path: str, cache_bytes: int = 0, cache_slots: int = 1) -> h5py.File:
-    """The archive open read-only in HDF5, once what HDF5 will parse of it is checked (``hdf5_guard``)."""
-    if not os.path.exists(path):
-        raise ArchiveNotFoundError(path, "no such file")
+def _open_fd(path: str) -> int:
+    """A read-only descriptor of the file at ``path`` (named errors when it is missing or unreadable)."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        return os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise ArchiveNotFoundError(path, "no such file") from None
     except PermissionError:
         raise ArchivePermissionError.denied(path) from None
+
+
+_PROBE_SETTINGS = {"manifest": MANIFEST_ATTR, "samples": _SAMPLE_NAMES, "index": _INDEX_NAMES,
+                   "extra": (CHUNKS_NAME,), "chunk": _ENCODED_CHUNK}
+
+
+def read_layout(path: str) -> hdf5_layout.Layout:
+    """Where the archive at ``path`` keeps its manifest, index and samples, read without HDF5 from the
+    locator in its checked user block, or (an archive written without one) from HDF5 in a child
+    process under a time limit (``hdf5_layout``)."""
+    fd = _open_fd(path)
     try:
-        hdf5_guard.check(path, fd)
+        block = hdf5_guard.checked_block(path, fd)
+        entries = None if block is None else hdf5_layout.unpack(path, hdf5_guard.locator_of(block))
+        located = entries is not None and hdf5_layout.MANIFEST in entries and bool(
+            {"positions", hdf5_layout.CHUNKS} & set(entries))  # a sealed archive, its samples located
+        if entries is not None and located:
+            return hdf5_layout.from_locator(path, fd, entries, _INDEX_NAMES)
+        return hdf5_layout.probe(path, fd, _PROBE_SETTINGS)
     finally:
         os.close(fd)
-    try:
-        return h5py.File(path, "r", locking=False, rdcc_nbytes=cache_bytes, rdcc_nslots=cache_slots)
-    except OSError as exc:
-        raise IncompleteArchiveError(
-            path, f"HDF5 cannot open it ({exc})", hint="the file is truncated, damaged or its writer was killed"
-        ) from None
 
 
 class HDF5Backend(Backend[HDF5Handle]):
+    """Reads an archive with plain reads from the byte offsets its layout gives (``read_layout``):
+    HDF5's parser never runs in the reading process."""
+
     format_name = "hdf5"
+    chunks: Optional[np.ndarray] = None  # the flat sample dataset's chunk addresses (see Layout)
+    chunk_bytes = 0
+    data_nbytes = 0
+    file_size = 0  # when the layout was read: no sample holds more bytes
+
+    @classmethod
+    def load(cls, path: str) -> "HDF5Backend":
+        layout = read_layout(path)
+        try:
+            manifest = ArchiveManifest.from_json(layout.manifest, path=path)
+            index = SampleIndex.from_arrays(layout.arrays)
+        except (KeyError, ValueError, TypeError, AttributeError) as exc:
+            raise CorruptArchiveError(path, f"cannot read the archive index: {exc}", hint=DAMAGED_HINT) from None
+        backend = cls(path, manifest, index)
+        backend.chunks, backend.chunk_bytes, backend.data_nbytes = layout.chunks, layout.chunk_bytes, layout.data_nbytes
+        backend._check_layout()
+        return backend
 
     @classmethod
     def read_metadata(cls, path: str) -> Tuple[ArchiveManifest, SampleIndex]:
-        with _open_file(path) as file:
-            if MANIFEST_ATTR not in file.attrs:
-                raise _missing_manifest(path, file)
-            try:
-                manifest = ArchiveManifest.from_json(file.attrs[MANIFEST_ATTR], path=path)
-                index = SampleIndex.from_arrays(_index_arrays(file))
-            except (OSError, KeyError, ValueError) as exc:
-                raise CorruptArchiveError(path, f"cannot read the archive index: {exc}") from None
-        return manifest, index
+        backend = cls.load(path)
+        return backend.manifest, backend.index
+
+    def _check_layout(self) -> None:
+        """CorruptArchiveError when the manifest, index and chunk table cannot describe one archive."""
+        size = self.file_size = os.path.getsize(self.path)
+        if self.manifest.mode == "raw":
+            if self.index.positions is None and (self.chunks is None or len(self.chunks) != self.manifest.count):
+                raise self._damaged("a raw archive whose index has no positions, and HDF5 listed none")
+            if not 0 < self.sample_nbytes <= size:
+                raise self._damaged(f"its manifest gives raw samples the shape {self.manifest.shape}, "
+                                    f"in a file of {size} bytes")
+            return
+        if self.chunks is None or self.chunk_bytes <= 0 or (len(self.chunks) and self.chunk_bytes > size):
+            raise self._damaged("an encoded archive without the addresses of its sample bytes")
+        if len(self.chunks) != -(-self.data_nbytes // self.chunk_bytes):
+            raise self._damaged(f"its chunk table lists {len(self.chunks)} chunks for {self.data_nbytes} bytes "
+                                f"of samples in chunks of {self.chunk_bytes}")
+
+    def _damaged(self, problem: str) -> CorruptArchiveError:
+        return CorruptArchiveError(self.path, problem, hint=DAMAGED_HINT)
+
+    @property
+    def image_positions(self) -> np.ndarray:
+        """Each raw image's byte offset in the file: the index's (checked by its CRC32), or HDF5's listing."""
+        positions = self.index.positions if self.index.positions is not None else self.chunks
+        assert positions is not None  # _check_layout
+        return positions
 
     def open(self) -> HDF5Handle:
-        raw = self.manifest.mode == "raw"
-        file = _open_file(self.path, *((0, 1) if raw else (ENCODED_CACHE_BYTES, _ENCODED_CACHE_SLOTS)))
-        name = "images" if "images" in file else "data"
-        if name not in file:
-            file.close()
-            raise UnknownFormatError(
-                self.path, "an HDF5 file, but not a packed_formats archive (no images/data dataset)"
-            )
-        return HDF5Handle(file, file[name], needed=0 if self.identity is None else self.identity[2])
+        return HDF5Handle(_open_fd(self.path), needed=0 if self.identity is None else self.identity[2])
 
     def read(self, handle: HDF5Handle, i: int) -> "np.ndarray | bytes":
         handle.check_size()
-        with _H5_CALLS:
-            if self.manifest.mode != "raw":
-                start, stop = int(self.offsets[i]), int(self.offsets[i + 1])
-                return self._h5_call(i, handle.data.__getitem__, slice(start, stop))
-            if handle.whole_chunks:
-                return self._h5_call(i, handle.data.id.read_direct_chunk, _chunk_of(i, handle.data.ndim))[1]
-            return self._h5_call(i, handle.data.__getitem__, i).reshape(-1)
+        assert handle.fd is not None
+        if self.manifest.mode == "raw":
+            return self._pread(handle.fd, int(self.image_positions[i]), self.sample_nbytes, i)
+        start, stop = int(self.offsets[i]), int(self.offsets[i + 1])
+        if not 0 <= start <= stop <= self.data_nbytes or stop - start > self.file_size:
+            raise self.corrupt(f"its bytes {start} to {stop} lie outside the {self.data_nbytes} stored", i)
+        assert self.chunks is not None
+        size, pieces = self.chunk_bytes, []
+        while start < stop:
+            k, within = divmod(start, size)
+            n = min(stop - start, size - within)
+            pieces.append(self._pread(handle.fd, int(self.chunks[k]) + within, n, i))
+            start += n
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+    def _pread(self, fd: int, offset: int, n: int, i: int) -> bytes:
+        """``n`` bytes at ``offset`` for sample i, or CorruptSampleError where the file has not got them."""
+        try:
+            data = os.pread(fd, n, offset) if offset >= 0 else b""
+        except (OSError, OverflowError) as exc:
+            raise self.corrupt(f"cannot read its {n} bytes at offset {offset}: {exc}", i) from None
+        if len(data) != n:
+            raise self.corrupt(f"its {n} bytes at offset {offset} lie past the end of the file", i)
+        return data
 
     def read_batch(self, handle: HDF5Handle, idx: np.ndarray, out: np.ndarray) -> None:
         handle.check_size()
-        whole = handle.whole_chunks and out.flags.c_contiguous
-        rows = handle.mapped_rows(self.path, self.identity, self.index.positions) if whole else None
-        if rows is not None:  # ~2.5x faster than the chunk reads below once the pages are mapped
+        rows = handle.mapped_rows(self.image_positions, self.sample_nbytes) if out.flags.c_contiguous else None
+        if rows is not None:
             rows.gather(idx, out)
             return
-        with _H5_CALLS:
-            if not whole:
-                for j, i in enumerate(idx):
-                    self._h5_call(int(i), handle.data.read_direct, out, np.s_[int(i)], np.s_[j])
-                return
-            # One unfiltered chunk per image (our layout): copy each chunk's bytes straight
-            # into the batch, skipping HDF5's selection machinery (about 3x faster).
-            for j, i in enumerate(idx):
-                self._h5_call(int(i), _read_chunk_into, handle.data.id, _chunk_of(int(i), out.ndim), out[j].reshape(-1))
+        for j, i in enumerate(idx):
+            out[j] = self.as_pixels(self.read(handle, int(i)), int(i))
 
     def sample_location(self, i: int) -> Optional[Tuple[str, int]]:
-        if self.manifest.mode == "raw" and self.index.positions is not None:
-            return self.path, int(self.index.positions[i])
-        with h5py.File(self.path, "r", locking=False) as file:
-            if self.manifest.mode == "raw":
-                info = file["images"].id.get_chunk_info_by_coord(_chunk_of(i, 4))
-                return self.path, int(info.byte_offset)
-            data, start = file["data"], int(self.offsets[i])
-            chunk = data.chunks[0]
-            info = data.id.get_chunk_info_by_coord((start // chunk * chunk,))
-            return self.path, int(info.byte_offset) + start % chunk
-
-    def _h5_call(self, i: int, function: Callable[..., Any], *args: Any) -> Any:
-        try:
-            with _H5_CALLS:
-                return function(*args)
-        except OSError as exc:
-            raise self.corrupt(f"HDF5 read failed: {exc}", i) from None
+        if self.manifest.mode == "raw":
+            return self.path, int(self.image_positions[i])
+        assert self.chunks is not None
+        k, within = divmod(int(self.offsets[i]), self.chunk_bytes)
+        return self.path, int(self.chunks[min(k, len(self.chunks) - 1)]) + within
 
 
 def seal_metadata(path: str) -> None:
-    """Record what HDF5 parses when a reader opens the archive at ``path`` and store it, checksummed,
-    in the file's user block (``hdf5_guard``).  The writer calls it last; after an edit by another
-    tool (h5py in ``r+`` mode), the archive reads as damaged until this is called again."""
+    """Record what HDF5 parses when it opens the archive at ``path`` and where readers find its manifest,
+    index and samples, and store both, checksummed, in the file's user block (``hdf5_guard``,
+    ``hdf5_layout``).  The writer calls it last; after an edit by another tool (h5py in ``r+`` mode),
+    the archive reads as damaged until this is called again."""
     with h5py.File(path, "r") as file:
         payload = _payload_spans(file)
-    hdf5_guard.write_userblock(path, hdf5_guard.merge(hdf5_guard.record_reads(path, _visit_as_reader), payload))
+        entries = _located(file)
+    reads = hdf5_guard.record_reads(path, _visit_as_reader)
+    manifest = _manifest_span(path, reads)
+    if manifest is not None:
+        entries[hdf5_layout.MANIFEST] = manifest
+    hdf5_guard.write_userblock(path, hdf5_guard.merge(reads, payload), hdf5_layout.pack(entries))
+
+
+def _located(file: h5py.File) -> Dict[str, hdf5_layout.Entry]:
+    """The locator's entries for the index arrays and (encoded) the chunk table of the file: each where
+    HDF5 stores it as plain bytes."""
+    entries = {}
+    for name in _INDEX_NAMES:
+        at = _stored_at(file[name]) if name in file else None
+        if at is not None:
+            entries[name] = hdf5_layout.Entry(at.offset, at.nbytes, 0, at.dtype.str)
+    data, table = file.get("data"), file.get(CHUNKS_NAME)
+    at = _stored_at(table) if isinstance(table, h5py.Dataset) else None
+    samples = file.get("images", data)
+    if isinstance(samples, h5py.Dataset) and samples.chunks is not None and samples.shape[0] == 0:
+        entries[hdf5_layout.CHUNKS] = hdf5_layout.Entry(hdf5_guard.USERBLOCK, 0, crc32(b""), "<i8")  # no chunks
+        entries[hdf5_layout.DATA] = hdf5_layout.Entry(int(np.prod(samples.chunks)), 0)
+    elif isinstance(data, h5py.Dataset) and at is not None and data.chunks is not None:
+        with open(file.filename, "rb") as raw:
+            raw.seek(at.offset)
+            entries[hdf5_layout.CHUNKS] = hdf5_layout.Entry(at.offset, at.nbytes, crc32(raw.read(at.nbytes)), "<i8")
+        entries[hdf5_layout.DATA] = hdf5_layout.Entry(data.chunks[0], data.shape[0])
+    return entries
+
+
+def _manifest_span(path: str, reads: List[Tuple[int, int]]) -> Optional[hdf5_layout.Entry]:
+    """Where the manifest's stored text lies among the bytes HDF5 read to read it, or None."""
+    with h5py.File(path, "r") as file:
+        text = file.attrs.get(MANIFEST_ATTR)
+    if text is None:
+        return None
+    wanted = text.encode() if isinstance(text, str) else bytes(text)
+    with open(path, "rb") as raw:
+        for offset, length in hdf5_guard.merge(reads, (), limit=len(reads) + 1):
+            raw.seek(offset)
+            at = raw.read(length).find(wanted)
+            if at >= 0:
+                return hdf5_layout.Entry(offset + at, len(wanted), crc32(wanted))
+    return None
 
 
 def _payload_spans(file: h5py.File) -> List[Tuple[int, int]]:
@@ -338,7 +409,7 @@ def _payload_spans(file: h5py.File) -> List[Tuple[int, int]]:
     arrays (contiguous) and the images it reads, which the archive's own CRC32s check (a few spans,
     however many samples: listing every chunk would cost the writer memory per sample)."""
     spans: List[Tuple[int, int]] = []
-    for name in _INDEX_NAMES:
+    for name in _INDEX_NAMES + (CHUNKS_NAME,):
         if name in file and file[name].id.get_offset() is not None:
             spans.append((file[name].id.get_offset(), file[name].id.get_storage_size()))
     images = file["images"] if "images" in file else None
@@ -354,20 +425,23 @@ _CHECKED_CHUNKS = 4096  # up to this many chunks, a sample dataset's whole chunk
 
 
 def _visit_as_reader(file: h5py.File) -> None:
-    """Have HDF5 parse what a reader of this archive has it parse (``hdf5_guard`` records the bytes):
-    the manifest, every dataset's header and layout, the index arrays' ends, the three images
-    ``_rows_agree`` reads and, for a small archive, the sample dataset's whole chunk index."""
+    """Have HDF5 parse what a reader of the archive through HDF5 has it parse (``hdf5_guard`` records
+    the bytes, checked before a reader uses the file, and before ``hdf5_probe`` opens one written
+    without a locator): the manifest, every dataset's header and layout, the index arrays' ends, three
+    images and, for a small archive, the sample dataset's whole chunk index.  A larger chunk index is
+    not checked: readers never have HDF5 parse it (raw images lie at the index's positions, encoded
+    chunks at the chunk table's addresses)."""
     if MANIFEST_ATTR in file.attrs:
         file.attrs[MANIFEST_ATTR]
     names = list(file.keys())
-    for name in _SAMPLE_NAMES + _INDEX_NAMES:
+    for name in _SAMPLE_NAMES + _INDEX_NAMES + (CHUNKS_NAME,):
         if name not in names:
             continue
         dataset = file[name]
         plist = dataset.id.get_create_plist()
         plist.get_layout(), plist.get_nfilters(), plist.get_external_count()
         dataset.dtype, dataset.shape, dataset.chunks, dataset.id.get_offset()
-        if name in _INDEX_NAMES and dataset.ndim == 1:
+        if name not in _SAMPLE_NAMES and dataset.ndim == 1:
             n, k = len(dataset), min(len(dataset), _AGREE_ROWS)
             dataset[:k], dataset[n - k : n]  # contiguous data: HDF5 parses no more metadata for all of it
     data = file["images"] if "images" in names else file["data"] if "data" in names else None
@@ -384,14 +458,17 @@ def _visit_as_reader(file: h5py.File) -> None:
 
 
 def _chunk_positions(data: h5py.Dataset) -> Optional[np.ndarray]:
-    """Each image's chunk address, listed by HDF5 in one pass over the dataset's chunk index;
-    None when this h5py cannot list chunks (before 3.8) or an image has none in the file."""
-    if data.shape[0] == 0 or not hasattr(data.id, "chunk_iter"):
+    """Each chunk's address (raw: each image's), listed by HDF5 in one pass over the dataset's chunk
+    index; None when this h5py cannot list chunks (before 3.8) or a chunk is not in the file."""
+    if data.shape[0] == 0 or not hasattr(data.id, "chunk_iter") or data.chunks is None:
         return None
-    positions = np.full(data.shape[0], -1, dtype=np.int64)
+    step = data.chunks[0]
+    positions = np.full(-(-data.shape[0] // step), -1, dtype=np.int64)
 
     def note(chunk) -> None:
-        positions[chunk.chunk_offset[0]] = chunk.byte_offset
+        k = chunk.chunk_offset[0] // step
+        if k < len(positions):
+            positions[k] = chunk.byte_offset
 
     try:
         data.id.chunk_iter(note)
@@ -402,64 +479,7 @@ def _chunk_positions(data: h5py.Dataset) -> Optional[np.ndarray]:
     return positions
 
 
-def _map_chunks(
-    path: str, identity: Optional[Identity], data: h5py.Dataset, positions: Optional[np.ndarray]
-) -> "Optional[mapped.MappedRows]":
-    """Map the file at ``path`` with each image's chunk at ``positions`` (listed by HDF5 when the
-    index has none: archives written before they were stored); None where that cannot be trusted."""
-    if positions is None:
-        positions = _chunk_positions(data)
-    if positions is None or len(positions) != data.shape[0] or not len(positions):
-        return None
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if identity not in (None, fd_identity(fd)):
-            return None  # not the file the handle has open
-        rows = mapped.MappedRows.of(fd, positions, int(np.prod(data.shape[1:])))
-    finally:
-        os.close(fd)
-    if rows is not None and not _rows_agree(rows, data, positions):
-        rows.close()
-        return None
-    return rows
-
-
-def _rows_agree(rows: mapped.MappedRows, data: h5py.Dataset, positions: np.ndarray) -> bool:
-    """Whether the first, middle and last images read through HDF5 equal their mapped bytes: a
-    cheap check that the positions are this file's (a file rewritten by another tool, or
-    chunk addresses relative to a user block, would fail it); each sample's CRC32 checks the rest."""
-    if rows.data is None:
-        return False
-    image = np.empty(data.shape[1:], dtype=np.uint8)
-    n = len(positions)
-    for i in sorted({0, n // 2, n - 1}):
-        data.read_direct(image, np.s_[i])
-        start = int(positions[i])
-        if not np.array_equal(rows.data[start : start + image.size], image.ravel()):
-            return False
-    return True
-
-
-# ---- the index, mapped ------------------------------------------------------------------------
-def _index_arrays(file: h5py.File) -> Dict[str, np.ndarray]:
-    """The index datasets, each a map of the file where HDF5 stores it as plain bytes (how this
-    writer stores them), else read into memory (or where the map disagrees with HDF5's read)."""
-    datasets = {name: file[name] for name in _INDEX_NAMES if name in file}
-    where = {}
-    for name, dataset in datasets.items():
-        at = _stored_at(dataset)
-        if at is not None:
-            where[name] = at
-    try:
-        arrays = index_map.map_arrays(file.id.get_vfd_handle(), where) if where else {}
-    except (OSError, ValueError):  # e.g. a truncated file: HDF5's own reads below say what is wrong
-        arrays = {}
-    for name, dataset in datasets.items():
-        if name not in arrays or not _agrees(arrays[name], dataset):
-            arrays[name] = dataset[()]
-    return arrays
-
-
+# ---- where datasets lie -------------------------------------------------------------------------
 def _stored_at(dataset: h5py.Dataset) -> Optional[index_map.ArrayAt]:
     """Where a 1-D dataset's elements lie in the file, when they are its plain bytes there: one
     contiguous block in this file, unfiltered, of a numpy integer or fixed-width bytes dtype."""
@@ -472,46 +492,8 @@ def _stored_at(dataset: h5py.Dataset) -> Optional[index_map.ArrayAt]:
     return None if offset is None else index_map.ArrayAt(int(offset), dataset.dtype, dataset.shape)
 
 
-def _agrees(array: np.ndarray, dataset: h5py.Dataset) -> bool:
-    """Whether a mapped index array reads as HDF5 reads the dataset, at both ends (a cheap
-    check that the address is right; the manifest's checksum of the whole array follows)."""
-    n = len(array)
-    k = min(n, _AGREE_ROWS)
-    return bool(np.array_equal(array[:k], dataset[:k]) and np.array_equal(array[n - k :], dataset[n - k : n]))
-
-
-def _missing_manifest(path: str, file: h5py.File) -> PackedFormatError:
-    """Why a file without a manifest cannot be read: an archive of ours whose writer never sealed
-    it (our sample dataset, as this writer lays it out), or some other HDF5 file."""
-    if _written_here(file):
-        return IncompleteArchiveError(path, "no manifest: the archive was never sealed")
-    return UnknownFormatError(
-        path, "an HDF5 file, but not a packed_formats archive (no manifest attribute)", hint=CONVERT_HINT
-    )
-
-
-def _written_here(file: h5py.File) -> bool:
-    """Whether the file holds only our datasets, with the sample dataset laid out as HDF5Writer makes it."""
-    names = set(file.keys())
-    if not names <= set(_SAMPLE_NAMES + _INDEX_NAMES):
-        return False
-    images, data = file.get("images"), file.get("data")
-    if isinstance(images, h5py.Dataset):
-        return images.ndim == 4 and images.dtype == np.uint8 and images.chunks == (1,) + images.shape[1:]
-    if isinstance(data, h5py.Dataset):
-        return data.ndim == 1 and data.dtype == np.uint8 and data.chunks == (_ENCODED_CHUNK,)
-    return False
-
-
 def _chunk_of(i: int, ndim: int) -> tuple:
     return (i,) + (0,) * (ndim - 1)
-
-
-def _read_chunk_into(dataset_id, offsets: tuple, row: np.ndarray) -> None:
-    try:
-        dataset_id.read_direct_chunk(offsets, out=row)
-    except TypeError:  # h5py before 3.8 has no out=
-        row[:] = np.frombuffer(dataset_id.read_direct_chunk(offsets)[1], dtype=np.uint8)
 
 
 def _sniff(path: str, head: Optional[bytes]) -> bool:

@@ -12,6 +12,14 @@ bytes that were written, and a damaged file is refused with a named error.
 
 Samples are checked by their own CRC32 after reading.  Archives written
 before the user block (the HDF5 signature at offset 0) open unchecked, as before.
+
+A checksum a writer can recompute does not make HDF5's parser safe: a file
+damaged and re-sealed still parses as it is.  So readers of archives written
+since no longer let HDF5 parse them at all: the block also holds a *locator*
+(``LOCATOR_ROOM`` bytes at ``LOCATOR_AT``, read by ``hdf5_layout``) of the
+byte spans they read themselves; the ranges still tell damage to the metadata
+that other HDF5 tools read, and guard the child process that describes an
+archive written without a locator.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import bisect
 import io
 import os
 import struct
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import h5py
 
@@ -34,7 +42,10 @@ _VERSION = 1
 _HEAD = struct.Struct("<8sII")  # magic, version, number of ranges
 _RANGE = struct.Struct("<QII")  # offset, length, CRC32
 _TAIL = struct.Struct("<I")  # CRC32 of the user block before it
-MAX_RANGES = (USERBLOCK - _HEAD.size - _TAIL.size) // _RANGE.size
+LOCATOR_ROOM = 512  # bytes before the tail kept for the locator (``hdf5_layout``): where readers find what they read
+LOCATOR_AT = USERBLOCK - _TAIL.size - LOCATOR_ROOM
+MAX_RANGES = (LOCATOR_AT - _HEAD.size) // _RANGE.size  # what a writer stores now
+_READ_RANGES = (USERBLOCK - _HEAD.size - _TAIL.size) // _RANGE.size  # what one stored before the locator
 MAX_GAP = 0  # metadata spans this close are checked as one (0: only touching ones; a gap may hold a sample)
 DAMAGED_HINT = "the archive is damaged: re-create it (or restore it from a copy)"
 
@@ -116,14 +127,19 @@ def _subtract(spans: List[Tuple[int, int]], holes: List[Tuple[int, int]]) -> Lis
     return out
 
 
-def write_userblock(path: str, ranges: List[Range]) -> None:
-    """Store ``ranges`` of the file at ``path`` and their CRC32 in its (reserved, zero) user block."""
+def write_userblock(path: str, ranges: List[Range], locator: bytes = b"") -> None:
+    """Store ``ranges`` of the file at ``path`` and their CRC32 in its (reserved, zero) user block, and
+    ``locator`` (at most ``LOCATOR_ROOM`` bytes) at ``LOCATOR_AT``, under the block's own CRC32.  A
+    reader that knows no locator reads that room as the block's zero padding."""
+    if len(ranges) > MAX_RANGES or len(locator) > LOCATOR_ROOM:
+        raise ValueError(f"{len(ranges)} ranges and a locator of {len(locator)} bytes do not fit a user block")
     with open(path, "r+b") as file:
         table = []
         for offset, length in ranges:
             file.seek(offset)
             table.append(_RANGE.pack(offset, length, crc32(file.read(length))))
-        block = (_HEAD.pack(MAGIC, _VERSION, len(ranges)) + b"".join(table)).ljust(USERBLOCK - _TAIL.size, b"\0")
+        block = (_HEAD.pack(MAGIC, _VERSION, len(ranges)) + b"".join(table)).ljust(LOCATOR_AT, b"\0")
+        block = (block + locator).ljust(USERBLOCK - _TAIL.size, b"\0")
         file.seek(0)
         file.write(block + _TAIL.pack(crc32(block)))
         file.flush()
@@ -132,7 +148,28 @@ def write_userblock(path: str, ranges: List[Range]) -> None:
 
 def check(path: str, fd: int) -> bool:
     """Check the file open as ``fd`` before HDF5 reads it: True when its user block and every range
-    it lists are intact, False for an archive written without one (HDF5's signature at offset 0).
+    it lists are intact, False for an archive written without one (HDF5's signature at offset 0);
+    raises as ``checked_block``."""
+    return checked_block(path, fd) is not None
+
+
+def stored_ranges(block: bytes) -> List[Range]:
+    """The (offset, length) ranges a user block that ``checked_block`` returned lists."""
+    count = _HEAD.unpack_from(block)[2]
+    return [_RANGE.unpack_from(block, _HEAD.size + k * _RANGE.size)[:2] for k in range(count)]
+
+
+def locator_of(block: bytes) -> bytes:
+    """The locator room of a user block that ``checked_block`` returned (zeros where none was written;
+    empty where, written before the locator, its ranges fill that room)."""
+    if _HEAD.unpack_from(block)[2] > MAX_RANGES:
+        return b""
+    return block[LOCATOR_AT : LOCATOR_AT + LOCATOR_ROOM]
+
+
+def checked_block(path: str, fd: int) -> Optional[bytes]:
+    """The user block of the file open as ``fd``, once it and every range it lists are checked;
+    None for an archive written without one (HDF5's signature at offset 0).
 
     Raises:
         CorruptArchiveError: the user block or a byte range HDF5 would parse is damaged.
@@ -140,14 +177,14 @@ def check(path: str, fd: int) -> bool:
     """
     block = os.pread(fd, USERBLOCK + len(HDF5_SIGNATURE), 0)
     if block[:8] != MAGIC and block[USERBLOCK:] != HDF5_SIGNATURE:
-        return False  # written before the user block (or not by us): HDF5 says what it is
+        return None  # written before the user block (or not by us): HDF5 says what it is
     block = block[:USERBLOCK]
     if len(block) < USERBLOCK:
         raise IncompleteArchiveError(path, f"the file is only {len(block)} bytes long", hint="the file is truncated")
     if _TAIL.unpack_from(block, USERBLOCK - _TAIL.size)[0] != crc32(block[: USERBLOCK - _TAIL.size]):
         raise CorruptArchiveError(path, "its header (the HDF5 user block) is damaged", hint=DAMAGED_HINT)
     magic, version, count = _HEAD.unpack_from(block)
-    if magic != MAGIC or version != _VERSION or count > MAX_RANGES:
+    if magic != MAGIC or version != _VERSION or count > _READ_RANGES:
         raise CorruptArchiveError(path, "its HDF5 user block is not one this packed_formats wrote", hint=DAMAGED_HINT)
     for k in range(count):
         offset, length, expected = _RANGE.unpack_from(block, _HEAD.size + k * _RANGE.size)
@@ -162,7 +199,7 @@ def check(path: str, fd: int) -> bool:
                 path, f"its HDF5 metadata (bytes {offset} to {offset + length}) does not match its checksum",
                 hint=DAMAGED_HINT,
             )
-    return True
+    return block
 
 
 def has_userblock(path: str, head: bytes) -> bool:
