@@ -427,9 +427,9 @@ def _locking_advice(report: Dict[str, Any]) -> Advice:
     format = (report["archive"] or {}).get("format")
     if format == "hdf5" or (shared and format is None):
         yield "info", (
-            "HDF5: packed_formats opens archives with locking=False, so the file-locking errors HDF5 raises on "
-            "Lustre/NFS (errno 524 or 11) cannot happen with it. For other h5py code there, set "
-            "HDF5_USE_FILE_LOCKING=FALSE."
+            "HDF5: packed_formats reads its archives with plain positional reads, never through HDF5's library, "
+            "so it takes no file lock and the file-locking errors HDF5 raises on Lustre/NFS (errno 524 or 11) "
+            "cannot happen with it. For other h5py code there, set HDF5_USE_FILE_LOCKING=FALSE."
         )
     if format == "lmdb" or (shared and format is None):
         yield "info", (

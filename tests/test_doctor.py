@@ -96,7 +96,7 @@ def test_local_disks_need_no_staging(tmp_path):
     assert advice_on(report, "locking") == []
 
 
-@pytest.mark.parametrize("fmt, setting", [("hdf5", "locking=False"), ("lmdb", "lock=False")])
+@pytest.mark.parametrize("fmt, setting", [("hdf5", "takes no file lock"), ("lmdb", "lock=False")])
 def test_locking_advice_says_what_our_readers_already_do(archives, fmt, setting):
     report = pf.diagnose(archives[(fmt, "raw")])
     assert any(setting in item["message"] for item in advice_on(report, "locking"))
