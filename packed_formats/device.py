@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from typing import Any, Callable, Deque, Iterator, Optional, Tuple, Union
 
@@ -72,6 +73,9 @@ class CudaPrefetcher:
     Each batch's copy is followed by an event; the consumer's stream waits on
     that event, and the device tensors are marked as used by the consumer's
     stream (record_stream) so the caching allocator never reuses them early.
+    The host batch is let go only once its event has completed: a batch in a
+    worker's slot (``slots``, registered as pinned memory) gives the slot back
+    then, never while the copy may still read it.
 
     Args:
         batches: pinned host batches.
@@ -94,13 +98,16 @@ class CudaPrefetcher:
         self.decoder = decoder
         self.stream = torch.cuda.Stream(device=device)
         self.queue: Deque[Tuple[torch.Tensor, torch.Tensor, torch.cuda.Event, Optional[torch.Generator]]] = deque()
+        self.copying: Deque[Tuple[torch.cuda.Event, Any]] = deque()  # (copy done, its host batch) per batch
+        weakref.finalize(self, _let_go, self.copying).atexit = False  # CUDA may be gone by then
         self.number = 0
 
     def _issue(self) -> bool:
         try:
-            images, labels = next(self.batches)
+            host = next(self.batches)
         except StopIteration:
             return False
+        images, labels = host
         with torch.cuda.stream(self.stream):
             images, generator = to_device(images, self.device, self.decoder)
             images = in_memory_format(images, self.memory_format)
@@ -108,6 +115,7 @@ class CudaPrefetcher:
             done = torch.cuda.Event()
             done.record(self.stream)
         self.queue.append((images, labels, done, generator))
+        self.copying.append((done, host))
         return True
 
     def __iter__(self) -> "CudaPrefetcher":
@@ -119,6 +127,8 @@ class CudaPrefetcher:
         if not self.queue:
             raise StopIteration
         images, labels, done, generator = self.queue.popleft()
+        while self.copying and self.copying[0][0].query():  # copies done: their host memory may go
+            self.copying.popleft()
         current = torch.cuda.current_stream(self.device)
         current.wait_event(done)
         images.record_stream(current)
@@ -131,3 +141,11 @@ class CudaPrefetcher:
             images = in_memory_format(images, self.memory_format)
         self.number += 1
         return images, labels
+
+
+def _let_go(copying: Deque[Tuple[torch.cuda.Event, Any]]) -> None:
+    """Drop the host batches of a prefetcher that goes, each once its copy has completed."""
+    while copying:
+        done, _ = copying[0]
+        done.synchronize()
+        copying.popleft()

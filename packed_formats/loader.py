@@ -15,12 +15,13 @@ import os
 import signal
 import time
 import warnings
+import weakref
 from collections import deque
 from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import storage
+from . import slots, storage
 from .backends import open_archive
 from .backends.base import Reader
 from .backends.sharded import given_max_open_parts
@@ -62,8 +63,9 @@ from .sampling import (
     rank_and_world_size,
     shard_indices,
 )
+from .slots import BatchSlots
 from .tracebacks import release_frames
-from .transforms import apply_transform
+from .transforms import apply_transform, batchwise, with_memory_format
 from .transforms.at_decode import split_at_decode
 from .worker import BatchReader, FailedBatch
 from .worker_context import worker_context
@@ -139,9 +141,19 @@ class PackedLoader:
         self._resume: Optional[EpochPosition] = None  # loaded: where the next pass starts
         self._pass: Optional[EpochPosition] = None  # the pass in progress: ``done`` counts batches handed out
         self._identity: Optional[Dict[str, Any]] = None
+        # each pass's DataLoader iterator -> the slots its workers send in (kept while they may still send)
+        self._pass_slots: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_pass_slots", None)
+        return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._pass_slots = weakref.WeakKeyDictionary()
+        if isinstance(self.batch_reader.pool, BatchSlots):  # slots of this process's own, received here
+            self.batch_reader.pool = self.batch_reader.pool.renewed()
         self.sampler.call_on_set_epoch(self.set_epoch)
 
     @property
@@ -226,13 +238,18 @@ class PackedLoader:
     def _pass_batches(self) -> Iterator[Tuple[torch.Tensor, ...]]:
         position = self._begin_pass()
         pool = self.batch_reader.pool
-        if pool is not None and self.dataloader.num_workers and not self.dataloader.persistent_workers:
+        if isinstance(pool, BatchSlots):
+            self._slots_for_pass(pool)
+        elif pool is not None and self.dataloader.num_workers and not self.dataloader.persistent_workers:
             # new workers: a new pool, so that states left by the last ones (batches still
             # in flight when they stopped) neither block nor mislead them
             self.batch_reader.pool = SlotPool(self.dataloader.num_workers, min_bytes=pool.min_bytes)
         numbers: List[int] = []  # the place in this rank's share of each batch handed on
         indices: Deque[torch.Tensor] = deque()  # the sample indices of the batches not yet handed out
-        host = self._host_batches(iter(self.dataloader), position.done, numbers, indices)
+        workers = iter(self.dataloader)
+        if isinstance(self.batch_reader.pool, BatchSlots):
+            self._pass_slots[workers] = self.batch_reader.pool
+        host = self._host_batches(workers, position.done, numbers, indices)
         target = self.device
         if target.type == "cpu" and self.decoder is None:
             return self._handed_out(host, position, numbers, indices)
@@ -249,6 +266,40 @@ class PackedLoader:
             device = copy_then_transform(host, target, self.transform, generators, self.memory_format, self.decoder)
         return self._handed_out(device, position, numbers, indices)
 
+    def _slots_for_pass(self, pool: BatchSlots) -> None:
+        """Make ready the slots this pass's workers send in.  The same slots serve pass after pass (the
+        main process maps each once), fresh workers or not; those whose batches were lost with workers
+        that stopped are freed first.  While workers of another pass still run with them (an unfinished
+        pass of fresh workers, or those left of a pass a worker died in), this pass gets slots of its own."""
+        loader = self.dataloader
+        current = getattr(loader, "_iterator", None)
+        if current is not None and getattr(current, "_shutdown", False):
+            loader._iterator = current = None  # its workers stopped: fresh ones, not a reset of those
+        if current is not None:
+            return  # the same persistent workers go on: what they sent last pass torch receives (and drops) first
+        passes = list(self._pass_slots.items())
+        if any(used is pool and not getattr(workers, "_shutdown", True) for workers, used in passes):
+            self.batch_reader.pool = pool.renewed()
+            return
+        pool.reclaim()
+
+    def _pass_left(self, workers: Iterator) -> None:
+        """A pass ended (its last batch, a ``break``, an error): fresh workers stop now, and the slots of
+        batches they sent that never arrived are freed.  After a worker died, the others stop when torch
+        lets their iterator go (not here: the dead one may hold the lock of their stop event), and the
+        next pass starts fresh workers."""
+        pool = self._pass_slots.get(workers)
+        if pool is None:
+            return
+        if any(not process.is_alive() for process in getattr(workers, "_workers", ())):
+            if getattr(self.dataloader, "_iterator", None) is workers:
+                self.dataloader._iterator = None
+            return
+        if not self.dataloader.persistent_workers and not getattr(workers, "_shutdown", True):
+            workers._shutdown_workers()  # type: ignore[attr-defined]
+        if getattr(workers, "_shutdown", False):
+            pool.reclaim()
+
     def _begin_pass(self) -> EpochPosition:
         """Where the pass now starting begins: a loaded state's position, or the next epoch's start."""
         self._find_rank()
@@ -264,21 +315,26 @@ class PackedLoader:
 
     def _host_batches(self, batches: Iterator, first: int, numbers: List[int],
                       indices: Deque[torch.Tensor]) -> Iterator[Batch]:
-        for number, item in enumerate(_naming_dead_workers(batches, self.reader.path), first):
-            if isinstance(item, FailedBatch):
-                error = item.raised()
+        try:
+            for number, item in enumerate(_naming_dead_workers(batches, self.reader.path), first):
+                if isinstance(item, FailedBatch):
+                    error = item.raised()
+                    del item
+                    try:
+                        raise error
+                    finally:  # no reference from this frame to the error, whose traceback holds the frame: a
+                        del error  # cycle would keep the DataLoader and its workers alive until the collector runs
+                images, labels, skipped, index = item
                 del item
-                try:
-                    raise error
-                finally:  # no reference from this frame to the error, whose traceback holds the frame: a cycle
-                    del error  # would keep the DataLoader and its workers alive until the garbage collector runs
-            images, labels, skipped, index = item
-            if skipped:
-                self._warn(skipped)
-            if len(labels):
-                numbers.append(number)
-                indices.append(index)
-                yield images, labels
+                if skipped:
+                    self._warn(skipped)
+                if len(labels):
+                    numbers.append(number)
+                    indices.append(index)
+                    yield images, labels
+                del images, labels, index  # a batch the caller dropped gives its slot back at once
+        finally:
+            self._pass_left(batches)
 
     def _handed_out(self, batches: Iterator[Batch], position: EpochPosition, numbers: List[int],
                     indices: Deque[torch.Tensor]) -> Iterator[Tuple[torch.Tensor, ...]]:
@@ -405,6 +461,7 @@ def make_loader(
     cache_dir: "str | os.PathLike[str] | None" = None,
     cache_limit: "int | str | None" = None,
     storage_options: Optional[Dict[str, Any]] = None,
+    registered_slots: bool = False,
 ) -> PackedLoader:
     """A fast loader of whole ``(images, labels)`` batches from an archive.
 
@@ -476,6 +533,12 @@ def make_loader(
             (see ``open_archive``).  The parts the next batches read are fetched ahead, four at a
             time.  With a cache smaller than the set, use ``shuffle="window"`` with a window of at
             most half the parts the cache holds: each part is then fetched once an epoch.
+        registered_slots: on CUDA with workers, register the shared-memory slots the workers send
+            their batches in as pinned memory (once each, ``cudaHostRegister``) and copy batches to
+            the GPU straight from them, instead of through DataLoader's pin-memory thread (a
+            host copy of every batch).  Off by default.  For the CPU, batches always arrive in
+            such slots (``slots``): the main process maps each once and receives a batch as its
+            slot's number, the tensors it hands on views of the slot.
 
     Images are uint8 [B,C,H,W] unless the transform changes them; labels are
     int64 [B] unless a transform that takes labels changes them.
@@ -495,6 +558,10 @@ def make_loader(
         raise ValueError(f"memory_format must be torch.contiguous_format or torch.channels_last, got {memory_format}")
     if num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+    if not isinstance(registered_slots, bool):
+        raise ValueError(f"registered_slots must be True or False, got {registered_slots!r}")
+    if memory_format == torch.channels_last:  # the final normalisation writes it: no second float copy
+        transform = with_memory_format(transform, memory_format)
     asked = torch.device(device)
     device = resolve_device(asked)  # ValueError now when CUDA is asked for and absent
     reader = _open_reader(source, format, verify, cache_dir=cache_dir, cache_limit=cache_limit,
@@ -520,7 +587,7 @@ def make_loader(
     batch_reader = BatchReader(
         reader, size=decode_size, resize_mode=resize_mode, transform=transform if on_cpu or send != "batches" else None,
         on_error=on_error, seed=seed, rank=rank, pin=device.type == "cuda" and num_workers == 0,
-        pool=SlotPool(num_workers) if num_workers > 0 else None,
+        pool=_worker_slots(num_workers, device, registered_slots, reader.path),
         memory_format=memory_format if on_cpu else None,  # another device converts the batch there, cheaply
         send=send,
     )
@@ -533,17 +600,32 @@ def make_loader(
         sampler=sampler,
         num_workers=num_workers,
         collate_fn=_already_a_batch,
-        pin_memory=device.type == "cuda" and num_workers > 0,
+        pin_memory=device.type == "cuda" and num_workers > 0 and not isinstance(batch_reader.pool, BatchSlots),
         persistent_workers=persistent_workers and num_workers > 0,
         multiprocessing_context=worker_context(multiprocessing_context) if num_workers > 0 else None,
         worker_init_fn=WorkerInit(seed, rank),
     )
     return PackedLoader(
-        batch_reader, sampler, loader, asked, None if on_cpu else rest, prefetch, distributed, placement,
+        batch_reader, sampler, loader, asked, None if on_cpu else batchwise(rest), prefetch, distributed, placement,
         memory_format=memory_format, return_index=return_index,
         dataset=source if isinstance(source, PackedDataset) else None,
-        decoder=DeviceDecoder(reader) if send != "batches" else None,
+        decoder=DeviceDecoder(reader, memory_format) if send != "batches" else None,
     )
+
+
+def _worker_slots(num_workers: int, device: torch.device, registered: bool,
+                  path: str) -> "SlotPool | BatchSlots | None":
+    """The shared memory the workers send batches in: slots the main process maps once (``BatchSlots``),
+    registered as pinned memory on CUDA, where asked; else (the default on CUDA, whose pin-memory
+    thread takes the batches, or where no shared-memory directory is at hand) a ``SlotPool``."""
+    if num_workers == 0:
+        return None
+    if (device.type == "cuda" and not registered) or not slots.available():
+        return SlotPool(num_workers)
+    pool = BatchSlots(num_workers, path=path)
+    if device.type == "cuda":
+        pool.pin(device)
+    return pool
 
 
 def _what_workers_send(reader: Reader, decode: str, device: torch.device, transform: Optional[Callable],

@@ -460,8 +460,14 @@ def hand_back(item: T, path: str) -> T:
     """
     if torch.utils.data.get_worker_info() is None:
         return item
+    return cast(T, _HandedBack(pickled(path, lambda: bytes(ForkingPickler.dumps(item)))))
+
+
+def pickled(path: str, dump: Callable[[], bytes]) -> bytes:
+    """``dump()``, a worker's batch pickled; a failure for want of a file descriptor (sharing a tensor's
+    memory takes one) raised as ``TooManyOpenFilesError`` naming ``path``."""
     try:
-        data = bytes(ForkingPickler.dumps(item))
+        return dump()
     except Exception as exc:
         if TooManyOpenFilesError.describes(exc) or _out_of_descriptors():
             raise TooManyOpenFilesError(
@@ -471,7 +477,6 @@ def hand_back(item: T, path: str) -> T:
                      "(for a sharded archive, a lower max_open_parts)",
             ) from None
         raise
-    return cast(T, _HandedBack(data))
 
 
 def _out_of_descriptors() -> bool:

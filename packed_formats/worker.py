@@ -7,8 +7,9 @@ memory format (contiguous NCHW unless channels-last is asked for: converted
 once, here, into the memory the batch is sent in), an int64 label tensor and
 the samples' indices.  The Reader applies the verify policy.  Batches leave a
 worker in a shared-memory slot it reuses once the main process has dropped the batch
-(``memory.SlotPool``): the read (archive -> slot), or the transform's result,
-is written once and sent without a copy.
+(``slots.BatchSlots``: images, labels and indices in one slot, which the main process
+maps once; or ``memory.SlotPool``): the read (archive -> slot), or the transform's
+result, is written once and sent without a copy.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from .handles import ProcessLocal
 from .memory import SentBatch, SlotPool
 from .policy import Skipped
 from .sampling import BatchPlan, batch_seed, seed_globals
+from .slots import BatchSlots
 from .transforms import apply_with_labels
 from .transforms.at_decode import CropAtDecode, split_at_decode
 
@@ -70,7 +72,8 @@ class BatchReader(torch.utils.data.Dataset):
         on_error: "raise" at a bad sample, or "skip" it (reported with the batch).
         seed, rank: where each batch's random generator comes from (``sampling.batch_seed``).
         pin: read into pinned memory (for a CUDA copy from this process).
-        pool: the workers' shared-memory slots (None without workers).
+        pool: the workers' shared-memory slots (None without workers): ``slots.BatchSlots`` (a batch
+            leaves as the numbers of the slots it lies in) or ``memory.SlotPool`` (as shared tensors).
         memory_format: the layout of the [B,C,H,W] batches handed back (None: as read or
             transformed, a channels-last view for reads; another device converts them there).
         send: what an encoded archive's batches leave as: "batches" (finished: decoded, and on the
@@ -94,7 +97,7 @@ class BatchReader(torch.utils.data.Dataset):
         seed: int = 0,
         rank: int = 0,
         pin: bool = False,
-        pool: Optional[SlotPool] = None,
+        pool: "SlotPool | BatchSlots | None" = None,
         memory_format: Optional[torch.memory_format] = None,
         send: str = "batches",
     ) -> None:
@@ -119,6 +122,8 @@ class BatchReader(torch.utils.data.Dataset):
             if self.pool is None:
                 return self._batch(plan)
             try:
+                if isinstance(self.pool, BatchSlots):  # the whole batch in this worker's slots, sent as their numbers
+                    return self.pool.hand_back(self._batch(plan), self.reader.path)
                 images, labels, skipped, indices = self._batch(plan)
                 sent: "SentBatch | EncodedBatch"
                 if isinstance(images, torch.Tensor):
