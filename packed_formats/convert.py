@@ -307,7 +307,7 @@ def _run(source, dst, format, recipe, workers, shard_size, overwrite, on_error, 
     else:
         mapped = ordered_map(_prepare_item, recipe, len(source), workers, items=_payloads(source))
     with mapped as results:
-        output = _open_output(dst, format, recipe, source, shard_size, overwrite)
+        output = _open_output(dst, format, recipe, source, shard_size, overwrite, on_error)
         with output, tqdm(total=len(source), unit="img", desc="converting", disable=quiet, smoothing=0.05) as bar:
             failed = source.failed + _append_all(results, source, output, on_error, bar)
             if len(output) == 0:
@@ -382,7 +382,8 @@ def _prepare(
     return False, error, False
 
 
-def _open_output(dst: str, format: str, recipe: Recipe, source: Source, shard_size, overwrite: bool) -> Any:
+def _open_output(dst: str, format: str, recipe: Recipe, source: Source, shard_size, overwrite: bool,
+                 on_error: str) -> Any:
     options = dict(
         mode=recipe.mode,
         shape=None if recipe.mode != "raw" else _raw_size(recipe) + (3,),
@@ -390,8 +391,11 @@ def _open_output(dst: str, format: str, recipe: Recipe, source: Source, shard_si
         encoding=recipe.encoding,
         quality=recipe.quality,
     )
-    if shard_size:
-        return ShardedWriter(dst, format, int(shard_size), overwrite=overwrite, **options)
+    if shard_size:  # the set's id is its plan's, as the tasks of a --part conversion derive it: the same parts
+        from . import parts
+
+        plan = parts.make_plan(source, format, recipe, on_error, int(shard_size), 1)
+        return ShardedWriter(dst, format, int(shard_size), overwrite=overwrite, set_id=parts.set_id(plan), **options)
     return open_writer(dst, format=format, overwrite=overwrite, **options)
 
 

@@ -6,10 +6,10 @@ samples: slot k holds samples ``k*S .. (k+1)*S - 1`` and is written as the part
 one-process conversion writes.  With ``--part I/N`` (one task of N, such as a
 Slurm array task) a conversion writes only the slots ``I*K//N .. (I+1)*K//N - 1``
 of the K slots, so the split does not depend on N, each part is
-the same as the one-process conversion's but for the set's id, and ``join``
-writes the index (``backends.sharded`` writes and reads it).  The set's id is
-derived from the plan (``set_id``), so every task's parts name the same set, and
-each part's manifest names its slot as its place in it.
+byte-identical to the one-process conversion's, and ``join`` writes the same
+index (``backends.sharded`` writes and reads it).  The set's id is derived
+from the plan (``set_id``), by every task and by a one-process conversion
+alike, and each part's manifest names its slot as its place in the set.
 
 What the tasks share lives beside the destination, in ``.<name>.pf-parts/``:
 
