@@ -144,6 +144,26 @@ def _layout(shape: Tuple[int, ...], memory_format: torch.memory_format) -> Tuple
     return shape
 
 
+def worker_row(states: torch.Tensor) -> Optional[int]:
+    """This DataLoader worker's row of a pool's slot states (its id), None outside a worker (or one the
+    pool has no row for)."""
+    info = torch.utils.data.get_worker_info()
+    if info is None or info.id >= states.shape[0]:
+        return None
+    return info.id
+
+
+def choose_slot(states: np.ndarray, reserved: "Set[int]", capacity: Callable[[int], int], nbytes: int
+                ) -> Optional[Tuple[int, bool]]:
+    """One worker's slot for a batch of ``nbytes``: (the first free one that holds it, False), else (the
+    first free one, True: it must grow); None when the main process holds every one."""
+    free = [int(s) for s in np.flatnonzero(states == FREE) if int(s) not in reserved]
+    if not free:
+        return None
+    fits = [s for s in free if capacity(s) >= nbytes]
+    return (fits[0], False) if fits else (free[0], True)
+
+
 def _typed(raw: torch.Tensor, layout: Tuple[int, ...], dtype: torch.dtype, shape: Tuple[int, ...]) -> torch.Tensor:
     """Contiguous bytes viewed as ``dtype`` in ``layout``, permuted to ``shape`` when the layout is channels-last."""
     tensor = raw.view(dtype).view(layout)
@@ -323,10 +343,7 @@ class SlotPool:
         weakref.finalize(self, _forget, self.token)
 
     def _worker(self) -> Optional[int]:
-        info = torch.utils.data.get_worker_info()
-        if not self.enabled or info is None or info.id >= self.states.shape[0]:
-            return None
-        return info.id
+        return worker_row(self.states) if self.enabled else None
 
     def take(
         self,
@@ -343,12 +360,11 @@ class SlotPool:
         if worker is None or nbytes < self.min_bytes:
             return None
         buffers = self._buffers.get()
-        free = [int(s) for s in np.flatnonzero(self.states[worker].numpy() == FREE) if s not in buffers.reserved]
-        if not free:
+        chosen = choose_slot(self.states[worker].numpy(), buffers.reserved, buffers.nbytes, nbytes)
+        if chosen is None:
             return None  # the main process holds every slot: an ordinary batch this time
-        fits = [s for s in free if buffers.nbytes(s) >= nbytes]
-        index = fits[0] if fits else free[0]
-        if not fits:
+        index, grow = chosen
+        if grow:
             buffers.renew(index, nbytes)
         buffers.reserved.add(index)
         raw = torch.empty(0, dtype=torch.uint8).set_(buffers.storage(index), 0, (nbytes,), (1,))

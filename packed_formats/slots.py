@@ -49,7 +49,7 @@ import torch
 
 from .errors import PackedFormatError, TooManyOpenFilesError
 from .handles import ProcessLocal
-from .memory import FREE, SENT, SLOTS_PER_WORKER, _layout, _typed, memory_format_of, pickled
+from .memory import FREE, SENT, SLOTS_PER_WORKER, _layout, _typed, choose_slot, memory_format_of, pickled, worker_row
 
 SHARED_DIRECTORY = "/dev/shm"
 ALIGN = 64  # where each tensor after the first starts in a slot
@@ -152,10 +152,7 @@ class BatchSlots:
 
     # ---- in a worker ----------------------------------------------------------------------------------------
     def _worker(self) -> Optional[int]:
-        info = torch.utils.data.get_worker_info()
-        if info is None or info.id >= self.states.shape[0]:
-            return None
-        return info.id
+        return worker_row(self.states)
 
     def take(
         self,
@@ -172,13 +169,12 @@ class BatchSlots:
         if worker is None or nbytes < max(1, self.min_bytes):
             return None
         local = self._local.get()
-        states = self.states[worker].numpy()
-        free = [int(s) for s in np.flatnonzero(states == FREE) if int(s) not in local.reserved]
-        if not free:
+        chosen = choose_slot(self.states[worker].numpy(), local.reserved,
+                             lambda s: local.capacity(self, worker, s), nbytes)
+        if chosen is None:
             return None  # the main process holds every slot: this batch goes the ordinary way
-        fits = [s for s in free if local.capacity(self, worker, s) >= nbytes]
-        index = fits[0] if fits else free[0]
-        if not fits:
+        index, grow = chosen
+        if grow:
             self._renew(local, worker, index, capacity_for(nbytes))
         local.reserved.add(index)
         local.tails[index] = _round_up(nbytes, ALIGN)

@@ -27,6 +27,33 @@ ARCHIVE_KINDS = [(f, m) for f in pf.PACKED_FORMATS for m in ("raw", "encoded")]
 ALL_KINDS = ARCHIVE_KINDS + [("folder", "encoded")]
 
 
+# ---- which tests run in the serial pass ----------------------------------------------------------------
+# ``make test`` runs the suite in two passes: every test not marked ``serial`` on two pytest-xdist workers,
+# then the ``serial`` ones one at a time.  A test is serial when it needs the whole machine, or a service
+# that exists once per machine:
+SERIAL_FIXTURES = {
+    "s3", "s3_env", "s3_proxy",  # one moto server (and fault proxy) for the session; retry and stall timings
+    "slurm",  # one local Slurm cluster: its ports and state folder are the machine's
+}
+SERIAL_MODULES = {
+    "test_slurm_cluster", "test_slurm_examples", "test_slurm_recipes",  # the local Slurm cluster
+    "test_notebooks", "test_docs",  # notebooks run their own DataLoaders, servers and Slurm; Sphinx executes them
+    "test_distributed",  # torchrun and Lightning ranks, several processes each
+    "test_bench", "test_bench_gpu", "test_scale_tool",  # timing ratios measured against a baseline in the same run
+    "test_writer_memory", "test_memory",  # memory ceilings: another test's load would decide them
+    "test_slots",  # counts the shared-memory segments and descriptors of the whole machine's /dev/shm
+    "test_remote_https", "test_remote", "test_remote_untrusted", "test_s3_harness",  # servers, stall timeouts
+    "test_packaging",  # builds and installs the project into fresh environments
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module is not None else ""
+        if module in SERIAL_MODULES or SERIAL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.serial)
+
+
 def kind_id(kind):
     return "-".join(kind)
 
@@ -60,6 +87,18 @@ def write_archive(path, fmt: str, mode: str, samples, classes=CLASSES) -> str:
         for stored, label, key in samples:
             writer.add(stored, label, key)
     return os.fspath(path)
+
+
+def small_remote_sets(root, images: str, per_part: int) -> dict:
+    """{"zip": path, "memmap": path}: raw 16x16 sharded sets of ``per_part`` samples a part converted from
+    ``images`` under ``root`` (what the tests of remote sets upload: a file format and a folder one)."""
+    made = {}
+    for fmt, ext in (("zip", ".zip"), ("memmap", ".memmap")):
+        path = root / fmt / f"train{ext}"
+        os.makedirs(path.parent)
+        pf.convert(images, path, format=fmt, mode="raw", size=16, shard_size=per_part, workers=1)
+        made[fmt] = str(path)
+    return made
 
 
 @pytest.fixture(scope="session")

@@ -28,6 +28,7 @@ from packed_formats.storage import PartCache, Store
 from packed_formats.storage import remote as remote_module
 from packed_formats.synthetic import make_image_folder
 
+from .conftest import small_remote_sets
 from .http_server import HTTPFileServer
 
 pytest.importorskip("aiohttp")
@@ -41,13 +42,7 @@ def local_sets(tmp_path_factory):
     """format -> a sharded raw set of 6 parts on local disk (zip and memmap)."""
     root = tmp_path_factory.mktemp("http-sources")
     images = make_image_folder(root / "images", SAMPLES // 6, sizes=(20, 36))
-    made = {}
-    for fmt, ext in (("zip", ".zip"), ("memmap", ".memmap")):
-        path = root / fmt / f"train{ext}"
-        os.makedirs(path.parent)
-        pf.convert(images, path, format=fmt, mode="raw", size=16, shard_size=PER_PART, workers=1)
-        made[fmt] = str(path)
-    return made
+    return small_remote_sets(root, images, PER_PART)
 
 
 @pytest.fixture

@@ -37,6 +37,8 @@ from packed_formats.storage import cache as cache_module
 from packed_formats.storage.upload import samples_name
 from packed_formats.synthetic import make_image_folder
 
+from .conftest import small_remote_sets
+
 pytest.importorskip("s3fs")
 PER_PART, PARTS = 4, 3
 SAMPLES = PER_PART * PARTS
@@ -47,13 +49,7 @@ def local_sets(tmp_path_factory):
     """format -> a local sharded raw set of 3 parts of 4 samples (16x16x3)."""
     root = tmp_path_factory.mktemp("untrusted-sources")
     images = make_image_folder(root / "images", PER_PART, classes=("a", "b", "c"), sizes=(20, 30))
-    made = {}
-    for fmt, ext in (("zip", ".zip"), ("memmap", ".memmap")):
-        path = root / fmt / f"train{ext}"
-        os.makedirs(path.parent)
-        pf.convert(images, path, format=fmt, mode="raw", size=16, shard_size=PER_PART, workers=1)
-        made[fmt] = str(path)
-    return made
+    return small_remote_sets(root, images, PER_PART)
 
 
 def uploaded(s3, local: str) -> str:
