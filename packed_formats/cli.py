@@ -24,6 +24,7 @@ OPTIONAL_PACKAGES = {
     "matplotlib": ("matplotlib", "plot"),
     "nbclient": ("nbclient", "notebooks"),
     "PIL": ("pillow", None),
+    "pyarrow": ("pyarrow", "hub"),
 }
 
 

@@ -295,6 +295,20 @@ def case_dataset_json_folder(tmp, folder, samples, archives):
     return Case("folder", str(root), {}, False, names, ["0", "1", "2"])
 
 
+def case_parquet(tmp, folder, samples, archives):  # Hugging Face Hub shards (more in test_hub_sources)
+    from .test_hub_sources import sample_rows, write_hub
+
+    write_hub(tmp / "hub", sample_rows(folder))
+    return Case("parquet", str(tmp / "hub"), {}, False, [f"{i:08d}" for i in range(len(samples))], list(CLASSES))
+
+
+def case_arrow(tmp, folder, samples, archives):  # a save_to_disk folder
+    from .test_hub_sources import sample_rows, write_saved
+
+    write_saved(tmp / "saved", sample_rows(folder))
+    return Case("arrow", str(tmp / "saved"), {}, False, [f"{i:08d}" for i in range(len(samples))], list(CLASSES))
+
+
 CASES: Dict[str, Callable[..., Case]] = {
     name[len("case_"):].replace("_", "-"): function for name, function in dict(globals()).items()
     if name.startswith("case_")

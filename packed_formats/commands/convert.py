@@ -31,6 +31,8 @@ EXAMPLES = """examples:
   packed-formats convert ILSVRC2012_img_train.tar train.lmdb --mode raw --size 64   # a tar of per-class tars
   packed-formats convert 'shards-{000..009}.tar' train.zip --label-key cls    # webdataset shards
   packed-formats convert data.h5 train.memmap --mode raw --image-key images --label-key labels
+  packed-formats convert cifar10/ train.zip --split train   # Hub parquet shards (huggingface-cli download)
+  packed-formats convert saved/ train.zip --image-column img --label-column fine_label   # save_to_disk
   packed-formats convert images/ train.zip --shard-size 50000 --part 3/50   # task 3 of 50: its parts only
   packed-formats convert images/ train.zip --shard-size 50000 --part auto   # in a Slurm array job (--array=0-49)
   packed-formats join train.zip                                             # the index, once every part is sealed
@@ -39,8 +41,9 @@ sources (found from the content; --source-format names one): root/<class>/<image
 folder names); a flat folder with --labels FILE (one integer per line in sorted file order, or CSV
 filename,label); a .zip or .tar(.gz/.bz2/.xz) of such a tree (--subdir picks a split) or with a
 stylegan2-ada dataset.json; a tar of per-class tars; webdataset shards; an HDF5 file of images +
-labels; an LMDB of pickled records (--allow-pickle); a CSV/JSON list of path,label; or any archive
-this tool writes.  Keys, labels and order are those of the extracted folder.
+labels; an LMDB of pickled records (--allow-pickle); Hugging Face parquet shards or save_to_disk
+folders (pyarrow: the 'hub' extra); a CSV/JSON list of path,label; or any archive this tool writes.
+Keys, labels and order are those of the extracted folder.
 Non-image files are skipped and counted; a corrupt image stops the conversion unless --on-error skip.
 Nothing appears at DST until the archive is complete and checked; Ctrl-C leaves DST untouched."""
 
@@ -69,12 +72,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def add_source_arguments(parser: argparse.ArgumentParser) -> None:
     """The options that say how to read a source (shared with ``info``)."""
     group = parser.add_argument_group("reading the source")
-    group.add_argument("--subdir", metavar="DIR", help="the folder (split) to read in a folder, zip or tar; HDF5 group")
+    group.add_argument("--subdir", "--split", metavar="DIR", help="the folder (split) to read in a folder, zip or "
+                       "tar; HDF5 group; the split of Hugging Face parquet or save_to_disk files (train, test...)")
     group.add_argument("--source-format", choices=source_formats(), help="read SRC as this kind (default: detected)")
-    group.add_argument("--label-key", metavar="NAME", help="webdataset label extension (cls), HDF5 labels dataset, "
-                       "or pickled record field")
-    group.add_argument("--image-key", metavar="NAME", help="webdataset image extension(s) (jpg,jpeg,png,webp), "
-                       "HDF5 images dataset, or pickled record field")
+    group.add_argument("--label-key", "--label-column", metavar="NAME", help="webdataset label extension (cls), "
+                       "HDF5 labels dataset, pickled record field, or parquet/arrow label column")
+    group.add_argument("--image-key", "--image-column", metavar="NAME", help="webdataset image extension(s) "
+                       "(jpg,jpeg,png,webp), HDF5 images dataset, pickled record field, or parquet/arrow image column")
     group.add_argument("--allow-pickle", action="store_true",
                        help="read an LMDB of pickled records: unpickling runs code from the file, trust it first")
 

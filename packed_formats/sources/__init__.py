@@ -8,7 +8,8 @@ and one line in ``KINDS`` (or ``register(cls)`` at run time).
 
 Detection asks the kinds in ``KINDS`` order: archives packed_formats wrote
 first (they are ZIP, HDF5 or LMDB files too), then folders, containers, and
-the CSV/JSON list last.
+the CSV/JSON list last.  The Hugging Face kinds (parquet shards, save_to_disk
+folders) come after the image folder, so an image tree is never walked for them.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from .base import (
 from .flat_folder import FlatFolderSource, read_label_file
 from .folder import FolderSource
 from .hdf5 import HDF5Source
+from .hub import ArrowSource, ParquetSource
 from .listfile import ListSource
 from .nested_tar import NestedTarSource
 from .packed import PackedSource
@@ -44,6 +46,8 @@ from .zip import ZipSource
 KINDS: List[Type[Source]] = [
     PackedSource,
     FolderSource,
+    ParquetSource,  # Hugging Face Hub shards, and save_to_disk folders
+    ArrowSource,
     FlatFolderSource,
     ZipSource,
     NestedTarSource,  # the tar kinds: the first whose ``matches`` accepts the listing
@@ -190,7 +194,8 @@ def _kind(paths: List[str], options: SourceOptions) -> Type[Source]:
     raise UnknownFormatError(
         path,
         "not a dataset this library reads",
-        hint="expected an image folder, a ZIP/tar/HDF5 dataset, webdataset shards, a CSV/JSON list of path,label "
+        hint="expected an image folder, a ZIP/tar/HDF5 dataset, webdataset shards, Hugging Face parquet or "
+        "save_to_disk files, a CSV/JSON list of path,label "
         f"or an archive of ours; --source-format names the kind ({', '.join(source_formats())})",
     )
 
