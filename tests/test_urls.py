@@ -184,7 +184,7 @@ def test_an_error_for_a_url_with_credentials_never_holds_them(rng, tmp_path, clo
             with pytest.raises(PackedFormatError) as failed:
                 pf.open_archive(url, cache_dir=tmp_path / "cache")
             error = failed.value
-            shown = "".join(traceback.format_exception(error))
+            shown = "".join(traceback.format_exception(type(error), error, error.__traceback__))
             assert_hidden(secret, str(error), str(error.path), shown, note=f"trial {trial}: {url!r}")
             assert_hidden(signature, str(error), shown, note=f"trial {trial}: {url!r}")
 
