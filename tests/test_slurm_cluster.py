@@ -176,7 +176,9 @@ def test_two_ranks_started_by_srun_stop_together_requeue_and_resume_exactly(slur
     env = {**slurm, "CHECKPOINT": str(checkpoint), "STOP_FILE": str(tmp_path / "stop"), "TMPDIR": str(tmp_path)}
     job_id = sbatch(env, "--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1", "--mem=2G",
                     "--time=1", "--signal=B:USR1@50", f"--output={log}",
-                    os.path.join(EXAMPLES, "train_multi_gpu.sbatch"), archive, *TRAIN, "--pace", "2.5")
+                    os.path.join(EXAMPLES, "train_multi_gpu.sbatch"), archive, *TRAIN, "--pace", "8")
+    # slurmctld looks at time limits every 30 s, so the signal comes 10-40 s into the job: 6 steps of 8 s
+    # are still under way then, however fast the machine (at a pace of 2.5 s the job once ended first)
     run_again_now(env, job_id)
     fields = wait_for(env, job_id, finished, "end")
     out = log.read_text()
