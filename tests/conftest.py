@@ -44,7 +44,18 @@ SERIAL_MODULES = {
     "test_slots",  # counts the shared-memory segments and descriptors of the whole machine's /dev/shm
     "test_remote_https", "test_remote", "test_remote_untrusted", "test_s3_harness",  # servers, stall timeouts
     "test_packaging",  # builds and installs the project into fresh environments
+    "test_fuzz",  # a read path silent for 15 s is a hang: its verdicts need the machine to themselves
 }
+# The longest tests of the parallel pass start first, so that no worker is left with one of them at the end.
+LONG_FIRST = (
+    "test_the_shared_suite_passes_on_a_format_defined_outside_the_library",
+    "test_the_benchmark_command_the_demo_prints_runs_on_the_demos_archives",
+    "test_a_new_process_resumes_exactly_in_many_random_cases",
+    "test_resuming_on_another_number_of_gloo_ranks",
+    "test_every_sample_of_300_parts_reads_back_under_a_low_open_file_limit",
+    "test_a_process_killed_after_a_checkpoint_resumes_and_sees_every_sample_once",
+    "test_lightning_ddp_gives_each_rank_its_share",
+)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -52,6 +63,7 @@ def pytest_collection_modifyitems(config, items):
         module = item.module.__name__.rsplit(".", 1)[-1] if item.module is not None else ""
         if module in SERIAL_MODULES or SERIAL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.serial)
+    items.sort(key=lambda item: getattr(item, "originalname", item.name) not in LONG_FIRST)  # stable: else as found
 
 
 def kind_id(kind):
