@@ -15,7 +15,8 @@ What a test can ask of it:
   byte until the server stops or ``stall_s`` pass) or ``"cut"`` (a GET: the headers of the
   whole answer, half the body, then the connection closes);
 - ``send_length = False``: no ``Content-Length`` (a body then ends when the connection closes);
-- ``gets(match)``, ``faults``: the GETs answered for paths containing ``match``, the faults sent.
+- ``gets(match)``, ``faults``: the GETs answered for paths containing ``match``, the faults sent;
+- ``authorizations``: the ``Authorization`` header of each request (None where it had none).
 
 Use it as a context manager: ``with HTTPFileServer(folder) as server: server.url("set.zip")``.
 """
@@ -48,6 +49,7 @@ class HTTPFileServer(ThreadingHTTPServer):
         self.planned: List[Dict[str, object]] = []
         self.faults: List[Tuple[str, str]] = []  # (kind, path) of each fault sent
         self.served: List[Tuple[str, str, int]] = []  # (method, path, status) of each answer
+        self.authorizations: List[Optional[str]] = []
         self.stopping = threading.Event()
         self.thread: Optional[threading.Thread] = None
 
@@ -150,6 +152,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.rfile.readline()
 
     def answer(self, body: bool) -> None:
+        with self.server.lock:
+            self.server.authorizations.append(self.headers.get("Authorization"))
         parts = urlsplit(self.path)
         path = unquote(parts.path)
         required = self.server.required

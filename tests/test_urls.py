@@ -6,13 +6,14 @@ Secrets are drawn at random from every character a URL's user-info (or a query v
 
 from __future__ import annotations
 
+import base64
 import json
 import pickle
 import random
 import socket
 import string
 import traceback
-from urllib.parse import quote
+from urllib.parse import quote, unquote_to_bytes
 
 import pytest
 
@@ -197,6 +198,21 @@ def served_archive(tmp_path_factory):
     pf.convert(images, root / "www" / "one.zip", format="zip", mode="raw", size=8, workers=1)
     with HTTPFileServer(root / "www") as server:
         yield server
+
+
+def test_a_urls_credentials_reach_the_server_as_the_bytes_they_escape(rng, served_archive, tmp_path):
+    """Whatever a user name and password hold (``%C8%83``, ``%F7``, ``/``, ``'``), the server gets them
+    byte for byte in a Basic header, and the URL's own request carries no user-info."""
+    port = served_archive.port
+    for trial in range(40):
+        user, secret = draw(rng, USERINFO.replace(":", ""), 1, 12), draw(rng, USERINFO)
+        url = f"http://{user}:{secret}@127.0.0.1:{port}/one.zip"
+        served_archive.authorizations.clear()
+        with pf.open_archive(url, cache_dir=tmp_path / f"cache-{trial}") as archive:
+            assert len(archive) == 12
+        expected = base64.b64encode(unquote_to_bytes(user) + b":" + unquote_to_bytes(secret)).decode()
+        assert served_archive.authorizations, failing(f"trial {trial}: {url!r}")
+        assert set(served_archive.authorizations) == {f"Basic {expected}"}, failing(f"trial {trial}: {url!r}")
 
 
 def test_the_command_line_never_prints_a_urls_credentials(rng, served_archive, closed_store, tmp_path, monkeypatch,

@@ -41,7 +41,7 @@ from ..errors import (
     RemoteNotFoundError,
     RemoteUnavailableError,
 )
-from .urls import HTTP_SCHEMES, basename, clean_url, filesystem, redact, request_url
+from .urls import HTTP_SCHEMES, basename, clean_url, filesystem, http_authorization, redact, request_url
 
 T = TypeVar("T")
 CHUNK_BYTES = 8 << 20  # one ranged GET
@@ -92,6 +92,8 @@ def _classify(exc: BaseException, url: str) -> BaseException:
     if isinstance(exc, FileNotFoundError) and cause is not None and type(cause).__module__.startswith("aiohttp") \
             and _http_status(cause) != 404:
         return _classify(cause, url)  # fsspec's http info says "not found" for any failure: 503, 403, a timeout
+    if isinstance(exc, FileNotFoundError) and isinstance(cause, ValueError):  # the client could not make the request
+        return RemoteError(url, f"the request could not be made ({type(cause).__name__})", hint="check the URL")
     if isinstance(exc, FileNotFoundError):
         return RemoteNotFoundError(url, "no such object in the store", hint="check the URL and the bucket")
     if isinstance(exc, PermissionError):
@@ -271,7 +273,7 @@ def _with_timeouts(scheme: str, options: Dict[str, Any], seconds: float) -> Dict
 
 def fs_path(fs: Any, url: str) -> str:
     """The path in ``fs`` of the object at ``url`` (a shown URL or a ``RemoteURL``): what requests use."""
-    return str(fs._strip_protocol(request_url(url)))
+    return str(fs._strip_protocol(http_authorization(request_url(url))[0]))
 
 
 class Store:
@@ -290,16 +292,18 @@ class Store:
         system (and its connections) that loop keeps for these options: a client is made once per loop,
         not per call (making one costs tens of milliseconds of CPU, more than a small part's download).
         ``path`` is the path of ``url``'s request in ``fs``."""
-        request = request_url(url)
+        request, authorization = http_authorization(request_url(url))
         scheme = request.split("://", 1)[0]
         options = {k: v for k, v in self.storage_options.items() if k != "stall_timeout"}
+        if authorization is not None:  # the URL's own credentials, as the bytes it holds
+            options["headers"] = dict(options.get("headers") or {}, Authorization=authorization)
         options = dict(_with_timeouts(scheme, options, self.stall_timeout), asynchronous=True,
                        skip_instance_cache=True)
         if scheme in ("s3", "s3a") and "session" not in options:
             options["session"] = _botocore_session()
         # the environment is part of what a file system was made with (endpoint, credentials, profile)
         environment = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(_CONFIGURING)))
-        key = (scheme, repr(sorted(self.storage_options.items())), self.stall_timeout, environment)
+        key = (scheme, repr(sorted(self.storage_options.items())), self.stall_timeout, environment, authorization)
 
         async def main(loop: "_PooledLoop") -> T:
             fs = loop.filesystems.get(key)

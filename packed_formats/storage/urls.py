@@ -25,14 +25,19 @@ URL may hide more than a secret (``s3://bucket/me@example.com/x`` shows as
 never less.  For a request, a bucket URL's user-info is left out when it holds a ``:`` (a key
 and a secret) or no ``/`` (a user name), and otherwise kept as part of the key (one that
 holds ``@``); an http(s) URL sends it as credentials to the host after it (``/`` encoded): a
-path holding ``@`` in an http(s) URL is written ``%40``.
+path holding ``@`` in an http(s) URL is written ``%40``.  Those credentials go in an
+``Authorization: Basic`` header of exactly the bytes they percent-decode to (``http_authorization``),
+whatever they hold: an HTTP client would decode them as UTF-8 and encode them as Latin-1, and fail
+on (or alter) anything else.
 """
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 from typing import Any, Dict, Optional, Tuple
+from urllib.parse import unquote_to_bytes
 
 from ..errors import MissingDependencyError
 
@@ -116,6 +121,23 @@ def request_url(url: str) -> str:
     if ":" not in userinfo and ("/" in userinfo or scheme in ("az", "abfs", "abfss")):
         return f"{scheme}://{rest}"  # a key that holds '@', or a container@account
     return f"{scheme}://{rest[end + 1:]}"  # credentials, or a user name: the store reads its own
+
+
+def http_authorization(request: str) -> Tuple[str, Optional[str]]:
+    """(``request`` without its user-info, the ``Authorization`` header value for it) for an http(s)
+    request URL (``request_url``'s): ``Basic`` and the base64 of the user name and password as the
+    bytes their ``%XX`` escapes stand for, joined by ``:``; (``request``, None) for a URL without
+    user-info or of another scheme."""
+    match = _URL.match(request)
+    if match is None or match.group(1).lower() not in HTTP_SCHEMES:
+        return request, None
+    rest = request[match.end():]
+    end = _userinfo_end(rest)
+    if end < 0:
+        return request, None
+    user, _, password = rest[:end].partition(":")
+    credentials = unquote_to_bytes(user) + b":" + unquote_to_bytes(password)
+    return f"{match.group(1).lower()}://{rest[end + 1:]}", "Basic " + base64.b64encode(credentials).decode("ascii")
 
 
 def _without_secret_parameters(rest: str) -> str:
