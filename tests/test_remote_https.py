@@ -130,6 +130,23 @@ def test_a_stalled_body_fails_within_seconds_by_name(served, tmp_path, monkeypat
     assert len(server.faults) == 3  # each try stalled once, then timed out
 
 
+def test_a_try_past_its_deadline_is_retried_even_with_the_protocols_timeouts_off(served, local_sets, tmp_path):
+    """A request the HTTP client would wait on forever (here its own timeouts are off; in the wild, a
+    connection pool or a third-party coroutine that never answers) is given up after its deadline and
+    tried again, instead of hanging the job."""
+    import aiohttp
+
+    server, url = served
+    server.fault("stall", times=2, match="train-00000.zip")  # the server holds each for 20 s
+    options = {"stall_timeout": 1, "client_kwargs": {"timeout": aiohttp.ClientTimeout(total=None)}}
+    started = time.monotonic()
+    with pf.open_archive(url, cache_dir=tmp_path / "cache", storage_options=options) as reader, \
+            pf.open_archive(local_sets["zip"]) as local:
+        assert np.array_equal(reader.read(0), local.read(0))
+    assert len(server.faults) == 2
+    assert time.monotonic() - started < 15  # two deadlines of about 2 s each, not two 20-s stalls
+
+
 def test_the_stall_timeout_comes_from_the_options_then_the_environment(monkeypatch):
     monkeypatch.setenv("PF_STALL_TIMEOUT", "7")
     assert Store().stall_timeout == 7 and Store({"stall_timeout": 2}).stall_timeout == 2

@@ -11,7 +11,9 @@ Transient failures (5xx, throttling, reset connections, a body cut short, timeou
 with exponential backoff and jitter; a download is fetched in ranges, each checked for its length.
 A read that receives no byte for ``stall_timeout`` seconds (60 by default; the store's
 ``storage_options={"stall_timeout": 5}`` or the environment's ``PF_STALL_TIMEOUT``) fails that
-try, and is retried like the others.
+try, and is retried like the others; so does a try still unfinished after the stall timeout once, then
+once more per request it makes and per MiB it moves (``_deadline``): a request that waits on nothing that ever comes (a
+connection pool, a third-party coroutine) fails and is retried instead of hanging the job.
 
 Requests go to the URL as given (``urls.request_url``: a presigned URL keeps its signature);
 errors, logs and records name it as shown (``urls.clean_url``: no credentials).
@@ -26,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import contextvars
 import dataclasses
 import os
 import random
@@ -46,6 +49,7 @@ from .urls import HTTP_SCHEMES, basename, clean_url, filesystem, http_authorizat
 T = TypeVar("T")
 CHUNK_BYTES = 8 << 20  # one ranged GET
 CONCURRENT_RANGES = 4  # in flight per download
+LISTING_REQUESTS = 20  # a listing's pages (a thousand keys each) counted into its deadline
 ATTEMPTS = int(os.environ.get("PF_REMOTE_ATTEMPTS", "5"))  # tries of one request before RemoteUnavailableError
 BACKOFF_S = 0.1  # the first retry's wait; doubled each time, up to MAX_BACKOFF_S, with jitter
 MAX_BACKOFF_S = 8.0
@@ -131,12 +135,51 @@ def _http_status(exc: BaseException) -> Optional[int]:
     return None
 
 
-async def _retrying(url: str, attempt: Callable[[], Awaitable[T]], what: str) -> T:
-    """``attempt()`` until it succeeds, a permanent error, or ATTEMPTS transient failures."""
+# the stall timeout of the Store whose call runs (set by Store.run, seen by every task of the call)
+_STALL_S: "contextvars.ContextVar[float]" = contextvars.ContextVar("stall_timeout", default=STALL_TIMEOUT_S)
+
+
+def _deadline(nbytes: int = 0, requests: int = 1) -> float:
+    """Seconds one try may take in all: the stall timeout once, then once more per request it makes and
+    per MiB it moves (a link slower than a MiB a stall timeout is as good as stalled).  The protocol's own
+    stall timeouts come first; this bounds what they do not cover."""
+    return _STALL_S.get() * (1 + requests + nbytes / (1 << 20))
+
+
+class _Overdue(Exception):
+    """A try that outlasted its deadline (told apart from a timeout the try raised itself)."""
+
+
+async def _within(coroutine: Awaitable[T], seconds: float) -> T:
+    """``await coroutine``, cancelled and _Overdue after ``seconds`` (not waiting on a coroutine that
+    ignores its cancellation for more than a second)."""
+    task = asyncio.ensure_future(coroutine)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=seconds)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if not done:
+        task.cancel()
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # an error it raises later is no news
+        await asyncio.wait({task}, timeout=1.0)
+        raise _Overdue()
+    return task.result()
+
+
+async def _retrying(url: str, attempt: Callable[[], Awaitable[T]], what: str, nbytes: int = 0,
+                    requests: int = 1) -> T:
+    """``attempt()`` until it succeeds, a permanent error, or ATTEMPTS transient failures; a try that
+    outlasts ``_deadline(nbytes, requests)`` is a transient failure."""
     last = ""
     for k in range(ATTEMPTS):
+        deadline = _deadline(nbytes, requests)
         try:
-            return await attempt()
+            return await _within(attempt(), deadline)
+        except _Overdue:
+            last = f"no answer within {deadline:.0f} s (the stall timeout once, then per request and per MiB)"
+            await asyncio.sleep(min(MAX_BACKOFF_S, BACKOFF_S * 2**k) * (0.5 + random.random()))
+            continue
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - every failure is classified
@@ -306,6 +349,7 @@ class Store:
         key = (scheme, repr(sorted(self.storage_options.items())), self.stall_timeout, environment, authorization)
 
         async def main(loop: "_PooledLoop") -> T:
+            _STALL_S.set(self.stall_timeout)  # this call's context: its tasks (gather's) copy it
             fs = loop.filesystems.get(key)
             if fs is None:
                 fs, _ = filesystem(request, options)
@@ -413,7 +457,9 @@ class Store:
         shown = clean_url(url)
 
         async def body(fs: Any, path: str) -> ObjectInfo:
-            await _retrying(shown, lambda: fs._put_file(local, path), "uploading")
+            size = os.path.getsize(local)  # a multipart upload: a request per 50 MiB
+            await _retrying(shown, lambda: fs._put_file(local, path), "uploading", nbytes=size,
+                            requests=1 + size // (50 << 20))
             info = object_info(await _retrying(shown, lambda: fs._info(path), "checking the upload"))
             if info.size != os.path.getsize(local):
                 raise RemoteError(shown, f"the upload holds {info.size} bytes, not the {os.path.getsize(local)} sent")
@@ -461,7 +507,8 @@ async def atree(fs: Any, path: str, url: str) -> Dict[str, ObjectInfo]:
         if basename(path) == basename(url):
             raise RemoteNotFoundError(url, f"no such object on the server ({why})", hint=hint)
         raise RemoteError(url, why, hint=hint)
-    found = await _retrying(url, lambda: fs._find(path, detail=True), "listing the directory")
+    found = await _retrying(url, lambda: fs._find(path, detail=True), "listing the directory",
+                            requests=LISTING_REQUESTS)
     prefix = path.rstrip("/") + "/"
     return {name[len(prefix):]: object_info(d) for name, d in sorted(found.items()) if name.startswith(prefix)}
 
@@ -496,7 +543,7 @@ async def _fetch(fs: Any, path: str, url: str, start: int, end: int) -> bytes:
 
     if end <= start:
         return b""
-    return await _retrying(url, attempt, f"reading bytes {start}-{end}")
+    return await _retrying(url, attempt, f"reading bytes {start}-{end}", nbytes=end - start)
 
 
 def backoff_sleep(attempt: int) -> None:
