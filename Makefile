@@ -1,6 +1,6 @@
 # make demo       - pack a generated image folder into every format and compare them
 # make test       - lint, type check, then run the whole test suite (what CI runs)
-# make test-fast  - the quick tier: every test not marked slow (6 minutes on 2 idle cores)
+# make test-fast  - the quick tier: every test not marked slow
 # make notebooks  - run the teaching notebooks and store their outputs (the test suite checks them)
 # make lint       - ruff only;  make typecheck - mypy only
 # make docs       - the documentation (API reference, command line, guide, notebooks) into
@@ -32,22 +32,15 @@ $(STAMP): setup.cfg setup.py constraints.txt
 demo: $(STAMP)
 	$(PY) tools/demo.py
 
-# Two passes: the tests that can share the machine on two xdist workers, then those marked serial (they
-# need the whole machine, or a service that exists once per machine: tests/conftest.py lists them), one at
-# a time.  Both always run; the exit status is the first failure's; the wall time comes last.
-PYTEST := $(PY) -m pytest -q
-define two_passes
-	@start=$$(date +%s); status=0; \
-	$(PYTEST) -n 2 --dist worksteal -m "$(1)not serial" --durations=25 tests || status=$$?; \
-	$(PYTEST) -m "$(1)serial" --durations=15 tests || { s=$$?; [ $$status != 0 ] || status=$$s; }; \
-	echo "$(2): $$(( $$(date +%s) - start )) s of wall time"; exit $$status
-endef
-
+# Three streams (tools/run_tests.py): the tests that can share the machine on two xdist workers, with the
+# Slurm tests beside them one at a time, then those marked serial (they need the whole machine, or a service
+# that exists once per machine: tests/conftest.py lists them), one at a time.  All always run; the exit
+# status is the first failure's; the slowest test files and the wall time come last.
 test: lint typecheck
-	$(call two_passes,,make test)
+	$(PY) tools/run_tests.py --label "make test"
 
 test-fast: $(STAMP)
-	$(call two_passes,not slow and ,make test-fast)
+	$(PY) tools/run_tests.py --fast --label "make test-fast"
 
 test-compat:
 	tools/compat.sh floor

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import multiprocessing
 import os
+import random
 
 import numpy as np
 import pytest
@@ -27,16 +29,15 @@ ARCHIVE_KINDS = [(f, m) for f in pf.PACKED_FORMATS for m in ("raw", "encoded")]
 ALL_KINDS = ARCHIVE_KINDS + [("folder", "encoded")]
 
 
-# ---- which tests run in the serial pass ----------------------------------------------------------------
-# ``make test`` runs the suite in two passes: every test not marked ``serial`` on two pytest-xdist workers,
-# then the ``serial`` ones one at a time.  A test is serial when it needs the whole machine, or a service
-# that exists once per machine:
+# ---- which tests run where ----------------------------------------------------------------------------
+# ``make test`` (tools/run_tests.py) runs the suite in three streams: every test not marked ``serial`` or
+# ``cluster`` on two pytest-xdist workers; beside them the ``cluster`` tests, one at a time; then the
+# ``serial`` ones, one at a time.  A test is serial when it needs the whole machine, or a service that exists
+# once per machine:
 SERIAL_FIXTURES = {
     "s3", "s3_env", "s3_proxy",  # one moto server (and fault proxy) for the session; retry and stall timings
-    "slurm",  # one local Slurm cluster: its ports and state folder are the machine's
 }
 SERIAL_MODULES = {
-    "test_slurm_cluster", "test_slurm_examples", "test_slurm_recipes",  # the local Slurm cluster
     "test_notebooks", "test_docs",  # notebooks run their own DataLoaders, servers and Slurm; Sphinx executes them
     "test_distributed",  # torchrun and Lightning ranks, several processes each
     "test_bench", "test_bench_gpu", "test_scale_tool",  # timing ratios measured against a baseline in the same run
@@ -46,6 +47,11 @@ SERIAL_MODULES = {
     "test_packaging",  # builds and installs the project into fresh environments
     "test_fuzz",  # a read path silent for 15 s is a hang: its verdicts need the machine to themselves
 }
+# A test is a cluster test when it runs batch scripts, under the local Slurm cluster (once per machine: its
+# ports and state folder) or a stand-in for it: their jobs pace training past a signal and mostly wait, so
+# they run beside the parallel pass, one at a time.
+CLUSTER_FIXTURES = {"slurm"}
+CLUSTER_MODULES = {"test_slurm_cluster", "test_slurm_examples", "test_slurm_recipes"}
 # The longest tests of the parallel pass start first, so that no worker is left with one of them at the end.
 LONG_FIRST = (
     "test_the_shared_suite_passes_on_a_format_defined_outside_the_library",
@@ -56,14 +62,42 @@ LONG_FIRST = (
     "test_a_process_killed_after_a_checkpoint_resumes_and_sees_every_sample_once",
     "test_lightning_ddp_gives_each_rank_its_share",
 )
+# A forkserver (a DataLoader's multiprocessing_context="forkserver", the fuzz's batches) forks its workers
+# from one process that imported these once, as a training script's does after
+# multiprocessing.set_forkserver_preload: without it every worker imports torch anew (3.5 s of CPU here),
+# and the tests over start methods pay that per worker and epoch.  A worker still receives its dataset by
+# pickle, which is what those tests are about.
+FORKSERVER_PRELOAD = ["torch", "packed_formats", "tests.probe"]
+
+
+def pytest_addoption(parser):
+    parser.addoption("--shuffle", metavar="SEED", default=None,
+                     help="run the tests in a random order drawn from SEED ('random': a fresh seed, shown)")
+
+
+def pytest_configure(config):
+    multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
+    if config.getoption("shuffle") == "random":  # drawn once, here: xdist workers receive the options as set
+        config.option.shuffle = str(random.SystemRandom().randrange(1 << 32))
+
+
+def pytest_report_header(config):
+    seed = config.getoption("shuffle")
+    return f"test order: shuffled by seed {seed} (--shuffle {seed} replays it)" if seed else None
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         module = item.module.__name__.rsplit(".", 1)[-1] if item.module is not None else ""
-        if module in SERIAL_MODULES or SERIAL_FIXTURES & set(getattr(item, "fixturenames", ())):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if module in CLUSTER_MODULES or CLUSTER_FIXTURES & fixtures:
+            item.add_marker(pytest.mark.cluster)
+        elif module in SERIAL_MODULES or SERIAL_FIXTURES & fixtures:
             item.add_marker(pytest.mark.serial)
-    items.sort(key=lambda item: getattr(item, "originalname", item.name) not in LONG_FIRST)  # stable: else as found
+    seed = config.getoption("shuffle")
+    if seed:
+        random.Random(seed).shuffle(items)
+    items.sort(key=lambda item: getattr(item, "originalname", item.name) not in LONG_FIRST)  # stable
 
 
 def kind_id(kind):

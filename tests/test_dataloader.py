@@ -31,10 +31,7 @@ def expected_crcs(dataset: pf.PackedDataset):
 
 
 def context(method):
-    ctx = multiprocessing.get_context(method)
-    if method == "forkserver":
-        ctx.set_forkserver_preload(["tests.probe"])
-    return ctx
+    return multiprocessing.get_context(method)  # a forkserver preloads what conftest.FORKSERVER_PRELOAD names
 
 
 def run_epochs(dataset, epochs=2, **loader_options):
