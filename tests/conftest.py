@@ -31,27 +31,26 @@ ALL_KINDS = ARCHIVE_KINDS + [("folder", "encoded")]
 
 # ---- which tests run where ----------------------------------------------------------------------------
 # ``make test`` (tools/run_tests.py) runs the suite in three streams: every test not marked ``serial`` or
-# ``cluster`` on two pytest-xdist workers; beside them the ``cluster`` tests, one at a time; then the
-# ``serial`` ones, one at a time.  A test is serial when it needs the whole machine, or a service that exists
-# once per machine:
-SERIAL_FIXTURES = {
-    "s3", "s3_env", "s3_proxy",  # one moto server (and fault proxy) for the session; retry and stall timings
-}
+# ``beside`` on two pytest-xdist workers, then the ``serial`` ones one at a time; from the start, beside
+# both, the ``beside`` ones, one at a time.  A test is serial when it needs the whole machine:
 SERIAL_MODULES = {
-    "test_notebooks", "test_docs",  # notebooks run their own DataLoaders, servers and Slurm; Sphinx executes them
-    "test_distributed",  # torchrun and Lightning ranks, several processes each
-    "test_bench", "test_bench_gpu", "test_scale_tool",  # timing ratios measured against a baseline in the same run
+    "test_notebooks", "test_docs",  # notebooks run their own DataLoaders and servers; Sphinx executes them
     "test_writer_memory", "test_memory",  # memory ceilings: another test's load would decide them
     "test_slots",  # counts the shared-memory segments and descriptors of the whole machine's /dev/shm
-    "test_remote_https", "test_remote", "test_remote_untrusted", "test_s3_harness",  # servers, stall timeouts
-    "test_packaging",  # builds and installs the project into fresh environments
-    "test_fuzz",  # a read path silent for 15 s is a hang: its verdicts need the machine to themselves
+    "test_fuzz",  # a read path silent for 15 s is a hang: its verdicts need the CPUs to themselves
 }
-# A test is a cluster test when it runs batch scripts, under the local Slurm cluster (once per machine: its
-# ports and state folder) or a stand-in for it: their jobs pace training past a signal and mostly wait, so
-# they run beside the parallel pass, one at a time.
-CLUSTER_FIXTURES = {"slurm"}
-CLUSTER_MODULES = {"test_slurm_cluster", "test_slurm_examples", "test_slurm_recipes"}
+# (The benchmark's and the scale tool's tests check what they record and that its ratios are consistent,
+# never a speed, so they share the machine; so do torchrun's ranks, on a port each run picks.)
+# A test runs beside the others when it mostly waits, on a service that exists once per machine or a
+# session: the local Slurm cluster (its ports and state folder; jobs paced past a signal), batch scripts
+# under a stand-in for it, the store servers (one moto server and fault proxy a session; their tests
+# wait on stalls, retries and backoff), and pip building and installing the project into fresh venvs.
+BESIDE_FIXTURES = {"slurm", "s3", "s3_env", "s3_proxy"}
+BESIDE_MODULES = {
+    "test_slurm_cluster", "test_slurm_examples", "test_slurm_recipes",
+    "test_remote_https", "test_remote", "test_remote_untrusted", "test_s3_harness", "test_fuzz_sets",
+    "test_packaging",
+}
 # The longest tests of the parallel pass start first, so that no worker is left with one of them at the end.
 LONG_FIRST = (
     "test_the_shared_suite_passes_on_a_format_defined_outside_the_library",
@@ -61,6 +60,8 @@ LONG_FIRST = (
     "test_every_sample_of_300_parts_reads_back_under_a_low_open_file_limit",
     "test_a_process_killed_after_a_checkpoint_resumes_and_sees_every_sample_once",
     "test_lightning_ddp_gives_each_rank_its_share",
+    "test_there_is_a_row_without_errors_for_every_format_asked_for",  # the scale tool's run, 45 s
+    "test_ranks_split_each_epoch_disjointly_and_cover_the_archive",  # torchrun's
 )
 # A forkserver (a DataLoader's multiprocessing_context="forkserver", the fuzz's batches) forks its workers
 # from one process that imported these once, as a training script's does after
@@ -72,7 +73,8 @@ FORKSERVER_PRELOAD = ["torch", "packed_formats", "tests.probe"]
 
 def pytest_addoption(parser):
     parser.addoption("--shuffle", metavar="SEED", default=None,
-                     help="run the tests in a random order drawn from SEED ('random': a fresh seed, shown)")
+                     help="run the test modules, and the tests of each, in a random order drawn from SEED "
+                          "('random': a fresh seed, shown)")
 
 
 def pytest_configure(config):
@@ -90,13 +92,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         module = item.module.__name__.rsplit(".", 1)[-1] if item.module is not None else ""
         fixtures = set(getattr(item, "fixturenames", ()))
-        if module in CLUSTER_MODULES or CLUSTER_FIXTURES & fixtures:
-            item.add_marker(pytest.mark.cluster)
-        elif module in SERIAL_MODULES or SERIAL_FIXTURES & fixtures:
+        if module in BESIDE_MODULES or BESIDE_FIXTURES & fixtures:
+            item.add_marker(pytest.mark.beside)
+        elif module in SERIAL_MODULES:
             item.add_marker(pytest.mark.serial)
     seed = config.getoption("shuffle")
-    if seed:
-        random.Random(seed).shuffle(items)
+    if seed:  # the modules in a random order, and the tests of each: a module's fixtures are made once still
+        rng, modules = random.Random(seed), {}
+        for item in items:
+            modules.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+        order = list(modules.values())
+        rng.shuffle(order)
+        for tests in order:
+            rng.shuffle(tests)
+        items[:] = [item for tests in order for item in tests]
     items.sort(key=lambda item: getattr(item, "originalname", item.name) not in LONG_FIRST)  # stable
 
 

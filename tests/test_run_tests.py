@@ -49,6 +49,7 @@ def test_the_status_is_the_first_failures_and_no_test_at_all_is_a_failure(status
 
 MARKS_DUMP = """
 import json, os
+import pytest
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):

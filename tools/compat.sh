@@ -76,4 +76,5 @@ import sys, importlib.metadata as m
 names = ["torch", "torchvision", "numpy", "pillow", "simplejpeg", "h5py", "lmdb", "tqdm"]
 print("compat:", sys.version.split()[0], " ".join(f"{n}={m.version(n)}" for n in names))
 EOF
-exec "$venv/bin/python" -m pytest -q -m "not slow" -p no:cacheprovider "$@" tests
+# the quick tier in make test's three streams (tools/run_tests.py), on this venv's Python
+exec "$venv/bin/python" tools/run_tests.py --fast --label "tools/compat.sh $which" -- -p no:cacheprovider "$@"

@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """``make test``'s runner: the whole suite in three streams, the time of each test file, the wall time last.
 
-1. The parallel pass: every test not marked ``serial`` or ``cluster``, on two pytest-xdist workers, the
+1. The parallel pass: every test not marked ``serial`` or ``beside``, on two pytest-xdist workers, the
    longest first (``tests/conftest.py``).
-2. Beside it, the cluster stream: the tests marked ``cluster`` (the Slurm ones), one at a time.  Their jobs
-   pace training past a signal and mostly wait, so they cost the parallel pass little; the local cluster
-   exists once per machine, so they never run two at a time.
-3. Then the serial pass: the tests that need the whole machine or a once-per-machine service, one at a time.
+2. Then the serial pass: the tests that need the whole machine, one at a time.
+3. Beside both, from the start, the ``beside`` stream, one at a time: the tests that mostly wait (Slurm
+   jobs paced past a signal; store servers' stalls, retries and backoff) and use a service that exists
+   once per machine (the local Slurm cluster).  They cost the other streams little CPU.
 
 Every stream always runs; the exit status is the first failure's.  Each writes a JUnit report under
 ``test-results/`` (the folder is emptied first); the end prints the slowest test files, each stream's
@@ -39,8 +39,8 @@ def streams(fast: bool) -> List[Tuple[str, str, List[str]]]:
     """(name, marker expression, pytest options) of each stream, in the order they start."""
     only = "not slow and " if fast else ""
     return [
-        ("parallel", f"{only}not serial and not cluster", ["-n", "2", "--dist", "worksteal", "--durations=25"]),
-        ("cluster", f"{only}cluster", ["--durations=10"]),
+        ("parallel", f"{only}not serial and not beside", ["-n", "2", "--dist", "worksteal", "--durations=25"]),
+        ("beside", f"{only}beside", ["--durations=15", "-p", "no:cacheprovider"]),
         ("serial", f"{only}serial", ["--durations=15"]),
     ]
 
@@ -93,34 +93,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     shutil.rmtree(RESULTS, ignore_errors=True)
     os.makedirs(RESULTS)
     start = time.monotonic()
-    (parallel, marks_p, options_p), (cluster, marks_c, options_c), (serial, marks_s, options_s) = streams(args.fast)
+    (parallel, marks_p, options_p), (beside, marks_b, options_b), (serial, marks_s, options_s) = streams(args.fast)
     seconds: Dict[str, float] = collections.OrderedDict()
     statuses: List[int] = []
 
-    # the cluster stream writes to a file, shown when the parallel pass is done (two streams on one terminal
-    # would interleave)
+    # the beside stream writes to a file, shown at the end (two streams on one terminal would interleave)
     with tempfile.TemporaryFile("w+") as log:
-        beside = subprocess.Popen(command(cluster, marks_c, [*options_c, "-p", "no:cacheprovider"], extra),
-                                  cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        waiting = subprocess.Popen(command(beside, marks_b, options_b, extra), cwd=ROOT, stdout=log,
+                                   stderr=subprocess.STDOUT)
         try:
-            print(f"== {parallel} pass ({marks_p}), with the {cluster} stream ({marks_c}) beside it", flush=True)
+            print(f"== {parallel} pass ({marks_p}); the {beside} stream ({marks_b}) runs beside it and the "
+                  f"{serial} pass", flush=True)
             statuses.append(subprocess.call(command(parallel, marks_p, options_p, extra), cwd=ROOT))
             seconds[parallel] = time.monotonic() - start
-            statuses.append(beside.wait())
-            seconds[cluster] = time.monotonic() - start
+            print(f"== {serial} pass ({marks_s})", flush=True)
+            statuses.append(subprocess.call(command(serial, marks_s, options_s, extra), cwd=ROOT))
+            seconds[serial] = time.monotonic() - start - seconds[parallel]
+            statuses.append(waiting.wait())
+            seconds[beside] = time.monotonic() - start
         finally:
-            if beside.poll() is None:  # interrupted: the cluster stream goes too
-                beside.terminate()
-                beside.wait()
+            if waiting.poll() is None:  # interrupted: the beside stream goes too
+                waiting.terminate()
+                waiting.wait()
         log.seek(0)
-        print(f"== {cluster} stream ({marks_c}), run beside the {parallel} pass", flush=True)
+        print(f"== {beside} stream ({marks_b}), run beside the others", flush=True)
         sys.stdout.write(log.read())
-    print(f"== {serial} pass ({marks_s})", flush=True)
-    begun = time.monotonic()
-    statuses.append(subprocess.call(command(serial, marks_s, options_s, extra), cwd=ROOT))
-    seconds[serial] = time.monotonic() - begun
 
-    print(summary(seconds, [(name, os.path.join(RESULTS, f"{name}.xml")) for name in (parallel, cluster, serial)]))
+    print(summary(seconds, [(name, os.path.join(RESULTS, f"{name}.xml")) for name in (parallel, serial, beside)]))
     wall = time.monotonic() - start
     print(f"{args.label}: {wall:.0f} s of wall time ({wall / 60:.1f} min)", flush=True)
     return overall_status(statuses)
