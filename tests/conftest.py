@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib
+import json
 import multiprocessing
 import os
 import random
@@ -107,6 +109,24 @@ def pytest_collection_modifyitems(config, items):
             rng.shuffle(tests)
         items[:] = [item for tests in order for item in tests]
     items.sort(key=lambda item: getattr(item, "originalname", item.name) not in LONG_FIRST)  # stable
+
+
+def once_per_run(tmp_path_factory, name: str, make):
+    """``make()``'s result (JSON-able), made once a test run: under pytest-xdist by whichever worker asks
+    first while the others wait and read it, where a module's costly fixture would otherwise run on every
+    worker that runs one of the module's tests."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        return make()
+    folder = tmp_path_factory.getbasetemp().parent  # the run's, above each worker's own
+    made = folder / f"{name}-{run}.json"
+    with open(folder / f"{name}-{run}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if made.exists():
+            return json.loads(made.read_text())
+        value = make()
+        made.write_text(json.dumps(value))
+        return value
 
 
 def kind_id(kind):

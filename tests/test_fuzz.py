@@ -12,8 +12,10 @@ crash, and a verify that passes an archive the other paths cannot read back.
 The quick tier runs a few trials per format and mode, each read path in its
 own forked child.  The slow tier runs ``SLOW_TRIALS`` trials per format (split
 over its modes) under a seed drawn afresh each run and printed; its trials run
-in batches, each batch in its own process (two at a time), every read path of
-a trial in that process: a read that is silent for ``PF_FUZZ_TIMEOUT``
+in batches, each batch in its own process (two at a time), the read paths of
+a trial in that process (the 2-worker DataLoader, which starts two processes,
+in every fourth trial; the other three in every trial: ``fuzz_helpers.
+DATALOADER_EVERY``): a read that is silent for ``PF_FUZZ_TIMEOUT``
 seconds is a hang, and its batch is killed (the rest go on in a new batch).
 A third of the aimed damage lands near a structure (a manifest's text, an
 HDF5 object, a ZIP header, an LMDB page start).  ``PF_FUZZ_SEED`` replaces
@@ -133,6 +135,8 @@ def fresh_seed() -> int:
     return setting("PF_FUZZ_SEED", random.SystemRandom().randrange(1 << 32))
 
 
+# Over 60 s (about 4.5 min): 1,000 trials of 3-4 read paths each, in long-lived batch processes (one start per
+# 50 trials, forked from a forkserver that imported torch once), two at a time.  The count is the point.
 @pytest.mark.slow
 @pytest.mark.timeout(60 + 2 * SLOW_COUNT * TIMEOUT)
 def test_many_damaged_archives_read_intact_or_raise_a_named_error(uniform_archives, references, tmp_path):

@@ -14,6 +14,8 @@ import packed_formats as pf
 from packed_formats.bench import scale
 from packed_formats.cli import main
 
+from .conftest import once_per_run
+
 N = 2000
 WORKERS = 1  # the end-to-end runs start many fresh interpreters: one spawned worker each keeps them affordable
 MIB = 2**20
@@ -114,15 +116,20 @@ def test_bad_scale_values_are_refused_by_the_parser(capsys, args):
 # ---- the tool end to end ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def every_format(tmp_path_factory):
-    """One `bench --scale N --json --keep` over every packed format: (results, the --dir given)."""
-    where = tmp_path_factory.mktemp("scale")
-    # two formats: the in-process probes above cover each format; this covers the tool end to end
-    done = run_cli("--scale", N, "--formats", ",".join(END_TO_END), "--json", "--keep", "--dir", where,
-                   "--workers", WORKERS)
-    assert done.returncode in (0, 1), done.stderr[-3000:]
-    results = json.loads(done.stdout)
-    assert done.returncode == 0, [row["errors"] for row in results["rows"]]
-    return results, str(where)
+    """One `bench --scale N --json --keep` over every packed format: (results, the --dir given); one a run,
+    whichever xdist worker asks first (it takes 45 s)."""
+
+    def make():
+        where = tmp_path_factory.mktemp("scale")
+        # two formats: the in-process probes above cover each format; this covers the tool end to end
+        done = run_cli("--scale", N, "--formats", ",".join(END_TO_END), "--json", "--keep", "--dir", where,
+                       "--workers", WORKERS)
+        assert done.returncode in (0, 1), done.stderr[-3000:]
+        results = json.loads(done.stdout)
+        assert done.returncode == 0, [row["errors"] for row in results["rows"]]
+        return results, str(where)
+
+    return tuple(once_per_run(tmp_path_factory, "scale-tool", make))
 
 
 @pytest.mark.slow

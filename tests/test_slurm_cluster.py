@@ -170,6 +170,9 @@ def reference_two_ranks(archive: str, tmp_path) -> dict:
     return {"losses": losses(done.stdout), "state": torch.load(checkpoint, weights_only=True)}
 
 
+# Over 60 s (30-110 s): slurmctld checks time limits every 30 s, so --signal comes 10-40 s into the job,
+# which must still be training then (paced), and the requeued job waits for Slurm to start it again.  No
+# setting of slurmctld's shortens that check; the test runs beside the others, where it costs no CPU.
 def test_two_ranks_started_by_srun_stop_together_requeue_and_resume_exactly(slurm, archives, tmp_path):
     archive = archives[("zip", "raw")]
     checkpoint, log = tmp_path / "checkpoint.pt", tmp_path / "job.out"

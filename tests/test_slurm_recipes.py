@@ -76,6 +76,8 @@ def workdir(slurm, tmp_path_factory):  # noqa: F811 (the fixture imported above)
     return where
 
 
+# Over 60 s (55-90 s): as the two-rank test in test_slurm_cluster.py, the signal comes with slurmctld's
+# 30-s time-limit check and the requeued job starts again after it; it runs beside the others, waiting.
 @pytest.mark.slow
 def test_single_gpu_recipe_checkpoints_requeues_once_and_resumes_exactly(slurm, workdir, tmp_path):  # noqa: F811
     started = time.monotonic()
