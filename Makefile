@@ -32,10 +32,11 @@ $(STAMP): setup.cfg setup.py constraints.txt
 demo: $(STAMP)
 	$(PY) tools/demo.py
 
-# Three streams (tools/run_tests.py): the tests that can share the machine on two xdist workers, with the
-# Slurm tests beside them one at a time, then those marked serial (they need the whole machine, or a service
-# that exists once per machine: tests/conftest.py lists them), one at a time.  All always run; the exit
-# status is the first failure's; the slowest test files and the wall time come last.
+# Three streams (tools/run_tests.py): the tests that can share the machine on two xdist workers, then those
+# marked serial (they need the whole machine), one at a time; from the start, beside both, those marked
+# beside (they mostly wait: Slurm, the store servers, pip), one at a time.  tests/conftest.py says which and
+# why.  All always run; the exit status is the first failure's; the slowest test files and the wall time
+# come last.
 test: lint typecheck
 	$(PY) tools/run_tests.py --label "make test"
 

@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import xml.etree.ElementTree as ElementTree
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -101,6 +102,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with tempfile.TemporaryFile("w+") as log:
         waiting = subprocess.Popen(command(beside, marks_b, options_b, extra), cwd=ROOT, stdout=log,
                                    stderr=subprocess.STDOUT)
+        def time_beside() -> None:  # when the beside stream ends, not when it is asked after the serial pass
+            waiting.wait()
+            seconds[beside] = time.monotonic() - start
+
+        ended = threading.Thread(target=time_beside, daemon=True)
+        ended.start()
         try:
             print(f"== {parallel} pass ({marks_p}); the {beside} stream ({marks_b}) runs beside it and the "
                   f"{serial} pass", flush=True)
@@ -110,7 +117,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             statuses.append(subprocess.call(command(serial, marks_s, options_s, extra), cwd=ROOT))
             seconds[serial] = time.monotonic() - start - seconds[parallel]
             statuses.append(waiting.wait())
-            seconds[beside] = time.monotonic() - start
+            ended.join()
         finally:
             if waiting.poll() is None:  # interrupted: the beside stream goes too
                 waiting.terminate()

@@ -178,8 +178,6 @@ async def _retrying(url: str, attempt: Callable[[], Awaitable[T]], what: str, nb
             return await _within(attempt(), deadline)
         except _Overdue:
             last = f"no answer within {deadline:.0f} s (the stall timeout once, then per request and per MiB)"
-            await asyncio.sleep(min(MAX_BACKOFF_S, BACKOFF_S * 2**k) * (0.5 + random.random()))
-            continue
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - every failure is classified
@@ -461,8 +459,8 @@ class Store:
             await _retrying(shown, lambda: fs._put_file(local, path), "uploading", nbytes=size,
                             requests=1 + size // (50 << 20))
             info = object_info(await _retrying(shown, lambda: fs._info(path), "checking the upload"))
-            if info.size != os.path.getsize(local):
-                raise RemoteError(shown, f"the upload holds {info.size} bytes, not the {os.path.getsize(local)} sent")
+            if info.size != size:
+                raise RemoteError(shown, f"the upload holds {info.size} bytes, not the {size} sent")
             return info
 
         return self.run(url, body)
