@@ -65,6 +65,41 @@ LONG_FIRST = (
     "test_there_is_a_row_without_errors_for_every_format_asked_for",  # the scale tool's run, 45 s
     "test_ranks_split_each_epoch_disjointly_and_cover_the_archive",  # torchrun's
 )
+# ``make test-fast`` (the quick tier: every test not marked ``slow``) leaves out these too, each over 3 s in a
+# quick run (2026-11-29): they start processes, interpreters or servers, or wait out a time limit on
+# purpose.  ``make test`` runs them; a name that no longer exists fails test_run_tests.
+SLOW_FOR_THE_QUICK_TIER = {
+    # a Slurm job, a fuzz of remote sets, the command line and benchmarks run in fresh interpreters
+    "test_slurm_examples::test_training_example_checkpoints_on_sigusr1_requeues_and_resumes",
+    "test_fuzz_sets::test_a_damaged_sample_index_or_listing_reads_intact_or_is_refused_and_writes_only_in_the_cache",
+    "test_bench_gpu::test_the_gpu_benchmark_writes_every_cell_in_quick_cpu_mode",
+    "test_run_tests::test_the_streams_select_every_test_exactly_once",  # collects the whole suite
+    "test_demo::test_the_demo_packs_every_format_and_times_every_archive_batched",
+    "test_doctor::test_doctor_json_on_a_tmpfs_directory",
+    "test_doctor::test_doctor_json_structure_on_a_local_directory",
+    "test_doctor::test_help_info_and_doctor_on_a_raw_archive_do_not_import_torchvision",
+    # time limits waited out on purpose (a hung HDF5 child, stalled or overdue store requests, dead workers)
+    "test_hdf5_hostile::test_an_archive_without_a_locator_that_hangs_hdf5_is_named_within_the_time_limit",
+    "test_hdf5_hostile::test_a_damaged_chunk_index_never_crashes_or_hangs_a_reader",
+    "test_remote_https::test_a_try_past_its_deadline_is_retried_even_with_the_protocols_timeouts_off",
+    "test_remote_https::test_a_stalled_body_fails_within_seconds_by_name",
+    "test_shard_limits::test_a_worker_killed_mid_epoch_fails_the_loader_in_seconds",
+    "test_shard_limits::test_a_worker_that_cannot_hand_a_batch_back_fails_the_loader_in_seconds",
+    "test_integrity::test_a_worker_killed_holding_the_stop_events_lock_is_still_reported",
+    "test_integrity::test_a_message_without_the_fields_note_or_with_a_damaged_one_keeps_only_the_message",
+    "test_slots::test_an_exception_in_a_worker_leaves_no_slot_file",
+    # hundreds of parts, 200k samples, spawned and killed processes, every start method in one test
+    "test_shard_limits::test_a_process_keeps_at_most_the_bound_of_parts_and_their_descriptors_open",
+    "test_shard_limits::test_every_sample_of_300_parts_reads_back_under_a_low_open_file_limit",
+    "test_shard_limits::test_make_loader_with_two_workers_reads_300_parts_under_a_low_open_file_limit",
+    "test_zip_layout::test_writing_200k_samples_keeps_no_object_per_member",
+    "test_remote::test_opening_reads_no_part",
+    "test_resume::test_a_process_killed_after_a_checkpoint_resumes_and_sees_every_sample_once",
+    "test_resume::test_a_new_process_resumes_exactly",
+    "test_spawn_mapping::test_spawned_workers_of_a_sharded_archive_read_right_samples_and_labels",
+    "test_device_decode::test_workers_cut_crops_for_a_device_that_does_the_rest",
+    "test_device_decode::test_device_decode_is_the_same_with_workers_and_every_start_method",
+}
 # A forkserver (a DataLoader's multiprocessing_context="forkserver", the fuzz's batches) forks its workers
 # from one process that imported these once, as a training script's does after
 # multiprocessing.set_forkserver_preload: without it every worker imports torch anew (3.5 s of CPU here),
@@ -98,6 +133,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.beside)
         elif module in SERIAL_MODULES:
             item.add_marker(pytest.mark.serial)
+        if f"{module}::{getattr(item, 'originalname', item.name)}" in SLOW_FOR_THE_QUICK_TIER:
+            item.add_marker(pytest.mark.slow)
     seed = config.getoption("shuffle")
     if seed:  # the modules in a random order, and the tests of each: a module's fixtures are made once still
         rng, modules = random.Random(seed), {}

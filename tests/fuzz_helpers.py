@@ -445,6 +445,10 @@ def _batch(connection, job: Job) -> None:
     os.setpgid(0, 0)
     limit_memory()
     torch.set_num_threads(1)
+    # Started by the forkserver, this process starts its DataLoader workers by forkserver too, from a
+    # forkserver of its own (one a batch, in its process group).  Without a preload that forkserver imports
+    # nothing, so each worker imported torch: 3 s a DataLoader read, most of the fuzz's time.
+    multiprocessing.set_forkserver_preload(["torch", "packed_formats"])
     landmarks = dict(job.landmarks)
     for number in job.numbers:
         damage = choose_damage(trial_rng(job.seed, job.fmt, job.mode, number), list(job.files), landmarks)

@@ -74,7 +74,16 @@ def test_the_streams_select_every_test_exactly_once(tmp_path):
     assert len(marks) > 1000
     for fast in (False, True):
         wanted = {n for n, m in marks.items() if not (fast and "slow" in m)}
-        chosen = [{n for n, m in marks.items() if Expression.compile(expression).evaluate(m.__contains__)}
-                  for _, expression, _ in run_tests.streams(fast)]
+        chosen = [{n for n, m in marks.items() if Expression.compile(expression).evaluate(m.__contains__)
+                   and any(n == p or n.startswith(p.rstrip("/") + ("::" if p.endswith(".py") else "/"))
+                           for p in options if p.startswith("tests"))}
+                  for _, expression, options in run_tests.streams(fast)]
         assert all(chosen), f"a stream selects nothing (fast={fast})"
         assert sum(len(c) for c in chosen) == len(wanted) and set().union(*chosen) == wanted
+    from .conftest import SLOW_FOR_THE_QUICK_TIER
+
+    def function(nodeid: str) -> str:  # "tests/test_x.py::test_y[a]" -> "test_x::test_y"
+        return nodeid.split("::")[0].rsplit("/", 1)[-1][:-3] + "::" + nodeid.split("::")[-1].split("[")[0]
+
+    assert not SLOW_FOR_THE_QUICK_TIER - {function(n) for n in marks}, "names no test has"
+    assert all("slow" in m for n, m in marks.items() if function(n) in SLOW_FOR_THE_QUICK_TIER)

@@ -21,6 +21,7 @@ time and the wall time.
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
 import os
 import shutil
@@ -37,18 +38,32 @@ RESULTS = os.path.join(ROOT, "test-results")
 
 
 def streams(fast: bool) -> List[Tuple[str, str, List[str]]]:
-    """(name, marker expression, pytest options) of each stream, in the order they start."""
+    """(name, marker expression, pytest options) of each stream, in the order they start.  The serial pass
+    collects only its modules (collecting the whole suite takes 10 s)."""
     only = "not slow and " if fast else ""
     return [
-        ("parallel", f"{only}not serial and not beside", ["-n", "2", "--dist", "worksteal", "--durations=25"]),
-        ("beside", f"{only}beside", ["--durations=15", "-p", "no:cacheprovider"]),
-        ("serial", f"{only}serial", ["--durations=15"]),
+        ("parallel", f"{only}not serial and not beside", ["-n", "2", "--dist", "worksteal", "--durations=25",
+                                                          "tests"]),
+        ("beside", f"{only}beside", ["--durations=15", "-p", "no:cacheprovider", "tests"]),
+        ("serial", f"{only}serial", ["--durations=15", *serial_modules()]),
     ]
 
 
+def serial_modules() -> List[str]:
+    """The files of ``tests/conftest.py``'s SERIAL_MODULES (a literal there, read without importing it)."""
+    with open(os.path.join(ROOT, "tests", "conftest.py"), encoding="utf-8") as source:
+        tree = ast.parse(source.read())
+    names = next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+                 and any(isinstance(t, ast.Name) and t.id == "SERIAL_MODULES" for t in node.targets))
+    return [f"tests/{name}.py" for name in sorted(names)]
+
+
 def command(name: str, marks: str, options: Sequence[str], extra: Sequence[str]) -> List[str]:
-    return [sys.executable, "-m", "pytest", "-q", "-m", marks, *options,
-            f"--junitxml={os.path.join(RESULTS, name + '.xml')}", *extra, "tests"]
+    """The pytest command of a stream: its options (paths last) after the extra ones."""
+    paths = [o for o in options if o.startswith("tests")]
+    flags = [o for o in options if not o.startswith("tests")]
+    return [sys.executable, "-m", "pytest", "-q", "-m", marks, *flags,
+            f"--junitxml={os.path.join(RESULTS, name + '.xml')}", *extra, *paths]
 
 
 def file_times(report: str) -> Dict[str, Tuple[float, int]]:
