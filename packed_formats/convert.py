@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 import warnings
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 from tqdm import tqdm
@@ -133,6 +133,7 @@ def convert(
     image_key: Optional[str] = None,
     allow_pickle: bool = False,
     part: Optional[Tuple[int, Optional[int]]] = None,
+    fields: Sequence[Any] = (),
 ) -> ConvertSummary:
     """Pack ``src`` into ``dst``, reading ``src`` where it is (nothing is extracted).
 
@@ -169,6 +170,10 @@ def convert(
             N None: from the set's plan, or the Slurm array (``parts.parse_part("auto")``).
             See ``packed_formats.parts``.
         overwrite: replace an archive already at ``dst`` (else ArchiveExistsError).
+        fields: the fields to pack with each sample (``FieldSpec``s or ``NAME=KIND`` strings, as
+            ``--field``), or ``["auto"]``: those the source finds in every sample (webdataset members
+            besides image and label).  Each is stored as it is: with fields, ``size`` (a resize the
+            fields would have to follow), ``shard_size`` and ``part`` are refused, for now.
 
     Raises:
         PackedFormatError (bad source, destination inside the source or
@@ -176,7 +181,13 @@ def convert(
         destination, bad image), ValueError (bad option),
         ConversionInterrupted / KeyboardInterrupt.
     """
+    fields = tuple(fields)
+    if fields and (size is not None or shard_size or part is not None):
+        which = "size" if size is not None else "shard_size" if shard_size else "part"
+        raise ValueError(f"fields are packed as they are, into one archive: {which} is not taken with them yet")
     if _any_remote(src) or storage.is_remote(os.fspath(dst)):
+        if fields:
+            raise ValueError("fields are packed from local sources into local archives, so far")
         options = dict(format=format, mode=mode, size=size, resize_mode=resize_mode, quality=quality,
                        encoding=encoding, labels=labels, workers=workers, shard_size=shard_size, overwrite=overwrite,
                        on_error=on_error, quiet=quiet, subdir=subdir, source_format=source_format,
@@ -201,9 +212,13 @@ def convert(
     replaced_parts = existing_parts(dst) if overwrite else []
     source = open_source(
         src, labels, subdir=subdir, source_format=source_format, label_key=label_key, image_key=image_key,
-        allow_pickle=allow_pickle, on_error=on_error,
+        allow_pickle=allow_pickle, on_error=on_error, fields=fields,
     )
     try:
+        if source.fields and (size is not None or shard_size or part is not None):  # an archive's own fields
+            which = "size" if size is not None else "shard_size" if shard_size else "part"
+            raise ValueError(f"{shown} has fields ({', '.join(f.describe() for f in source.fields)}), packed as "
+                             f"they are into one archive: {which} is not taken with them yet")
         recipe = _recipe(source, mode, size, resize_mode, encoding, quality)
         if part is not None:
             with _signals_interrupt():
@@ -326,7 +341,10 @@ def _append_all(results: Iterator[Any], source: Source, output: Any, on_error: s
                 first_alpha = first_alpha if alpha else source.key(i)
                 alpha += 1
             if ok:
-                output.add(value, int(source.labels[i]), source.key(i))
+                if source.fields:  # (stored image, {field: value})
+                    output.add(value[0], int(source.labels[i]), source.key(i), fields=value[1])
+                else:
+                    output.add(value, int(source.labels[i]), source.key(i))
             elif on_error == "raise":
                 raise value
             else:  # skipped as asked: the error's advice (fix it, or skip it) is moot
@@ -349,7 +367,13 @@ def _prepare_sample(context: Tuple[Source, Recipe], i: int) -> Tuple[bool, Any, 
     """(True, stored sample, alpha dropped) or (False, CorruptSampleError naming the file, False); runs in a
     worker."""
     source, recipe = context
-    return _prepare(recipe, lambda: source.load(i), i, lambda: source.key(i), lambda: source.location(i))
+    prepared = _prepare(recipe, lambda: source.load(i), i, lambda: source.key(i), lambda: source.location(i))
+    if not source.fields or not prepared[0]:
+        return prepared
+    try:  # the sample and its fields travel together: (stored image, {field: value})
+        return True, (prepared[1], source.load_fields(i)), prepared[2]
+    except PackedFormatError as exc:
+        return False, exc, False
 
 
 def _payloads(source: Source) -> Iterator[Tuple[int, str, str, Any]]:
@@ -384,13 +408,15 @@ def _prepare(
 
 def _open_output(dst: str, format: str, recipe: Recipe, source: Source, shard_size, overwrite: bool,
                  on_error: str) -> Any:
-    options = dict(
+    options: Dict[str, Any] = dict(
         mode=recipe.mode,
         shape=None if recipe.mode != "raw" else _raw_size(recipe) + (3,),
         classes=source.classes,
         encoding=recipe.encoding,
         quality=recipe.quality,
     )
+    if source.fields:
+        options["fields"] = source.fields
     if shard_size:  # the set's id is its plan's, as the tasks of a --part conversion derive it: the same parts
         from . import parts
 

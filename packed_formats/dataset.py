@@ -8,6 +8,7 @@ label)`` items and the same attributes, with the per-sample ones (``targets``,
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 import os
 from collections.abc import Sequence
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from . import codecs, policy
+from . import codecs, policy, sample_fields
 from .backends import open_archive, sniff_format
 from .backends.base import Reader
 from .backends.folder import IMAGE_EXTENSIONS
@@ -53,6 +54,11 @@ class PackedDataset(torch.utils.data.Dataset):
             1-channel raw archive), "tensor" (uint8 CxHxW) or "numpy" (uint8 HxWxC).
         verify: check each sample's CRC32 on read (CorruptSampleError on mismatch).
         format: insist on this format (FormatMismatchError otherwise).
+        fields: the sample's fields to return besides its image and label (``sample_fields``): names, or
+            ``{name: role}`` for torchvision's tv_tensors (``"mask"``, ``"boxes:XYXY"``, ``"image"``).  Items
+            are then dicts of ``image``, ``label`` and each field; ``transform`` gets the whole dict
+            (torchvision v2 transforms move masks and boxes with the image), ``target_transform`` the label.
+            Batch them with ``collate_fn=dataset.collate``.  Without ``fields`` no field byte is read.
         cache_dir, cache_limit, storage_options: for a URL (``s3://``, ``gs://``,
             ``https://``): the node-local cache of its parts and fsspec's options
             (see ``open_archive``).
@@ -74,6 +80,7 @@ class PackedDataset(torch.utils.data.Dataset):
         verify: bool = True,
         format: Optional[str] = None,
         *,
+        fields: "Sequence[str] | Dict[str, str] | None" = None,
         cache_dir: "str | os.PathLike[str] | None" = None,
         cache_limit: "int | str | None" = None,
         storage_options: Optional[Dict[str, Any]] = None,
@@ -87,6 +94,7 @@ class PackedDataset(torch.utils.data.Dataset):
         self.transform = transform
         self.target_transform = target_transform
         self.output = output
+        self.fields = sample_fields.parse_roles(fields, self.reader.fields, output)
         self._cache: ProcessLocal[Dict[str, Any]] = ProcessLocal(dict)  # never pickled: see loader()
 
     # ---- ImageFolder-like metadata --------------------------------------------------
@@ -224,7 +232,9 @@ class PackedDataset(torch.utils.data.Dataset):
                 samples.append(self._sample(stored[j], int(i)))
             return samples
 
-    def _sample(self, stored: Any, i: int) -> Tuple[Any, Any]:
+    def _sample(self, stored: Any, i: int) -> Any:
+        if self.fields is not None:
+            return self._sample_with_fields(stored, i, self.fields)
         image = self._to_output(stored, i, self.output)
         label = int(self.reader.labels[i])
         if self.transform is not None:
@@ -234,6 +244,39 @@ class PackedDataset(torch.utils.data.Dataset):
         if self.target_transform is not None:
             label = self.target_transform(label)
         return image, label
+
+    @property
+    def collate(self) -> Callable[[List[Dict[str, Any]]], Dict[str, Any]]:
+        """The ``collate_fn`` for a DataLoader over this dataset's dicts (with ``fields``): variable-length
+        fields (boxes, points), text and JSON batched as lists, labels as a tensor, the rest stacked."""
+        lists = sample_fields.variable(self.fields or {}, self.reader.fields)
+        return functools.partial(sample_fields.collate, lists=tuple(lists))
+
+    def _sample_with_fields(self, stored: Any, i: int, roles: Dict[str, str]) -> Dict[str, Any]:
+        """Sample i as a dict of its image, label and the fields asked for, transformed together."""
+        image = self._to_output(stored, i, self.output)
+        if isinstance(image, Image.Image):
+            canvas = (image.size[1], image.size[0])
+        else:
+            canvas = (int(image.shape[-2]), int(image.shape[-1])) if isinstance(image, torch.Tensor) else (
+                int(image.shape[0]), int(image.shape[1]))
+        sample: Dict[str, Any] = {"image": image, "label": int(self.reader.labels[i])}
+        if sample_fields.uses_tv_tensors(roles):
+            from torchvision import tv_tensors
+
+            sample["image"] = tv_tensors.Image(image)
+        for name, role in roles.items():
+            spec = self.reader.manifest.field(name)
+            try:
+                sample[name] = sample_fields.field_value(spec, role, self.reader.read_field(i, name), self.output,
+                                                         canvas)
+            except (ValueError, codecs.DecodeError) as exc:
+                raise self.reader.sample_error(i, f"field {name!r}: {exc}") from None
+        if self.transform is not None:
+            sample = self.transform(sample)
+        if self.target_transform is not None:
+            sample["label"] = self.target_transform(sample["label"])
+        return sample
 
     def _to_output(self, stored: Any, i: int, output: str) -> Any:
         channels = self._channels()

@@ -32,10 +32,12 @@ class SampleIndex:
     crc32: Optional[np.ndarray] = None
     offsets: Optional[np.ndarray] = None
     positions: Optional[np.ndarray] = None
+    # each field's arrays, by name: "field.NAME.offsets" int64[N+1] (into its flat store, or sizes when
+    # "field.NAME.positions" int64[N] says where each value starts in the file), "field.NAME.crc32" uint32[N]
+    fields: Dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("labels", "keys", "crc32", "offsets", "positions"):
-            array = getattr(self, name)
+        for array in [self.labels, self.keys, self.crc32, self.offsets, self.positions, *self.fields.values()]:
             if isinstance(array, np.ndarray):  # a JoinedArray is read-only already
                 array.setflags(write=False)
 
@@ -47,17 +49,29 @@ class SampleIndex:
 
     def arrays(self) -> Dict[str, np.ndarray]:
         """The arrays to store, by name (absent ones left out)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+        named = {name: getattr(self, name) for name in SAMPLE_ARRAYS if getattr(self, name) is not None}
+        return {**named, **self.fields}
 
     @classmethod
-    def from_arrays(cls, arrays: Dict[str, np.ndarray]) -> "SampleIndex":
+    def from_arrays(cls, arrays: Dict[str, np.ndarray], fields: Sequence[str] = ()) -> "SampleIndex":
+        """The index of ``arrays``; ``fields``: the names of the field arrays to take (the manifest's)."""
         return cls(
             labels=np.asarray(arrays["labels"], dtype=np.int64),
             keys=np.asarray(arrays["keys"]),
             crc32=_optional(arrays, "crc32", np.uint32),
             offsets=_optional(arrays, "offsets", np.int64),
             positions=_optional(arrays, "positions", np.int64),
+            fields={name: np.asarray(arrays[name], dtype=np.uint32 if name.endswith(".crc32") else np.int64)
+                    for name in fields if name in arrays},
         )
+
+    def field_bytes(self, name: str, i: int) -> Tuple[int, int]:
+        """(start, size) of field ``name``'s value of sample i: its offset in the field's flat store, or its
+        file position when the field's values lie among the file's records."""
+        offsets = self.fields[f"field.{name}.offsets"]
+        start, size = int(offsets[i]), int(offsets[i + 1] - offsets[i])
+        positions = self.fields.get(f"field.{name}.positions")
+        return (start if positions is None else int(positions[i])), size
 
     def mapped(self) -> bool:
         """Whether every array is a map of the archive's file (see ``file_backed``)."""
@@ -67,6 +81,9 @@ class SampleIndex:
         if self.offsets is None:
             raise TypeError("this index stores no offsets, so no sample sizes")
         return int(self.offsets[i + 1] - self.offsets[i])
+
+
+SAMPLE_ARRAYS = ("labels", "keys", "crc32", "offsets", "positions")
 
 
 class JoinedArray(np.lib.mixins.NDArrayOperatorsMixin):
@@ -402,16 +419,48 @@ class IndexBuilder:
         self._seal_keys()
         self._current = []  # the blocks are the columns' alone now, released as they are copied
         labels, crc = self._labels.take(n), self._crc32.take(n)
-        offsets = None
-        if self._sizes is not None:
-            offsets = npy_array(np.int64, n + 1)
-            offsets[0] = 0
-            for at, sizes in _drain(self._sizes.blocks, n):
-                np.cumsum(sizes, out=offsets[at + 1 : at + 1 + len(sizes)])
-                offsets[at + 1 : at + 1 + len(sizes)] += offsets[at]
+        offsets = None if self._sizes is None else offsets_of(self._sizes, n)
         positions = None if self._positions is None else self._positions.take(n)
         width = max([1] + [block.dtype.itemsize for block in self._key_blocks])
         keys = npy_array(f"S{width}", n)
         for at, part in _drain(self._key_blocks, n):
             keys[at : at + len(part)] = part
         return SampleIndex(labels=labels, keys=keys, crc32=crc, offsets=offsets, positions=positions)
+
+
+def offsets_of(sizes: Column, n: int) -> np.ndarray:
+    """int64[n+1]: the running total of the first n sizes in ``sizes``, from 0 (the column is empty after)."""
+    offsets = npy_array(np.int64, n + 1)
+    offsets[0] = 0
+    for at, part in _drain(sizes.blocks, n):
+        np.cumsum(part, out=offsets[at + 1 : at + 1 + len(part)])
+        offsets[at + 1 : at + 1 + len(part)] += offsets[at]
+    sizes.count = 0
+    return offsets
+
+
+class FieldIndexBuilder:
+    """The index arrays of a writer's fields (``field.NAME.offsets``, ``.crc32``, and ``.positions`` for a
+    format that records where each value lies in its file), grown in blocks as ``IndexBuilder``."""
+
+    def __init__(self, names: Sequence[str], positions: bool = False) -> None:
+        self.names = list(names)
+        self._columns = {name: (Column(np.int64), Column(np.uint32), Column(np.int64) if positions else None)
+                         for name in self.names}
+
+    def append(self, name: str, crc: int, size: int, position: int = -1) -> None:
+        sizes, crcs, places = self._columns[name]
+        sizes.append(size)
+        crcs.append(crc)
+        if places is not None:
+            places.append(position)
+
+    def build(self, n: int) -> Dict[str, np.ndarray]:
+        """Every field's arrays for n samples (once: the builder is empty after)."""
+        arrays: Dict[str, np.ndarray] = {}
+        for name, (sizes, crcs, places) in self._columns.items():
+            arrays[f"field.{name}.offsets"] = offsets_of(sizes, n)
+            arrays[f"field.{name}.crc32"] = crcs.take(n)
+            if places is not None:
+                arrays[f"field.{name}.positions"] = places.take(n)
+        return arrays

@@ -12,6 +12,7 @@ from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
 
 from .checksum import crc32
 from .errors import CorruptArchiveError, IncompleteArchiveError, UnsupportedVersionError
+from .fields import FieldSpec, check_fields
 
 MODES = ("raw", "encoded")
 CHECKSUM = "crc32"
@@ -25,8 +26,12 @@ CHECKSUM = "crc32"
 # An archive is stamped with the oldest version that holds all it stores: one that is no
 # part of a set is still version 3 (byte for byte what it was), and a reader that knows only
 # 3 says "upgrade" of a set's part instead of "damaged".
-FORMAT_VERSION = 4
+# Version 5: samples carry named fields besides the image and class (``fields``: see fields.py),
+# each with its own index arrays; only an archive with fields is stamped 5.
+FORMAT_VERSION = 5
 PLAIN_VERSION = 3  # an archive that is no part of a set
+SET_VERSION = 4  # a part of a set
+FIELDS_VERSION = 5  # an archive whose samples have fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +62,7 @@ class ArchiveManifest:
         set_id: the id of the sharded set this archive is a part of ("" when it is none; a set's
             joined manifest carries its set's id).
         part: this archive's place in that set, counted from 0 (-1 when it is no part of a set).
+        fields: what each sample holds besides its image and class (``fields.FieldSpec``), in order.
     """
 
     format: str
@@ -74,12 +80,17 @@ class ArchiveManifest:
     index_crc32: Tuple[Tuple[str, int], ...] = ()
     set_id: str = ""
     part: int = -1
+    fields: Tuple[FieldSpec, ...] = ()
 
     def to_json(self) -> str:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # no deep copy, unlike asdict
         for name in _SET_FIELDS:  # left out when unset: an archive that is no part of a set stays as it was
             if data[name] == _UNSET[name]:
                 del data[name]
+        if self.fields:
+            data["fields"] = [spec.to_json() for spec in self.fields]
+        else:  # left out: an archive without fields stays byte for byte what it was
+            del data["fields"]
         data["classes"] = list(self.classes)
         data["shape"] = None if self.shape is None else list(self.shape)
         data["index_crc32"] = dict(self.index_crc32)
@@ -122,7 +133,16 @@ class ArchiveManifest:
         if type(data.get("set_id", "")) is not str or type(data.get("part", -1)) is not int:
             raise ValueError("the manifest's set_id is not a string or its part not an integer")
         data["index_crc32"] = tuple(sorted((str(k), int(v)) for k, v in dict(data.get("index_crc32", {})).items()))
+        data["fields"] = _parse_fields(data.get("fields", []))
         return cls(**data)
+
+    def field(self, name: str) -> FieldSpec:
+        """The field ``name`` (KeyError naming the fields there are when there is none)."""
+        for spec in self.fields:
+            if spec.name == name:
+                return spec
+        there = ", ".join(s.name for s in self.fields) or "none"
+        raise KeyError(f"the archive has no field {name!r} (its fields: {there})")
 
     @property
     def sample_nbytes(self) -> Optional[int]:
@@ -159,6 +179,7 @@ def new_manifest(
     shape: Optional[Tuple[int, int, int]],
     encoding: Optional[str],
     index_crc32: Sequence[Tuple[str, int]] = (),
+    fields: Sequence[FieldSpec] = (),
 ) -> ArchiveManifest:
     """A sealed manifest stamped with this library's version.
 
@@ -180,10 +201,18 @@ def new_manifest(
         created_with=f"packed_formats {__version__}",
         created_at=_source_date(),
         index_crc32=tuple(sorted(index_crc32)),
-        format_version=PLAIN_VERSION if place is None else FORMAT_VERSION,
+        format_version=FIELDS_VERSION if fields else PLAIN_VERSION if place is None else SET_VERSION,
         set_id="" if place is None else place[0],
         part=-1 if place is None else place[1],
+        fields=tuple(fields),
     )
+
+
+def _parse_fields(data: Any) -> Tuple[FieldSpec, ...]:
+    """The manifest's ``fields`` list as FieldSpecs (ValueError when it is no list of distinct fields)."""
+    if not isinstance(data, list):
+        raise ValueError(f"the manifest's fields are a list, got {type(data).__name__}")
+    return check_fields([FieldSpec.from_json(item) for item in data])
 
 
 def _content_crc32(data: Dict[str, Any]) -> int:

@@ -66,7 +66,8 @@ class VerifyReport:
 def verify_archive(
     path: "str | os.PathLike[str]", decode: bool = False, max_report: int = 10, progress: bool = False
 ) -> VerifyReport:
-    """Read every sample of the archive at ``path``, checking its CRC32 (and, with ``decode``, that it decodes).
+    """Read every sample of the archive at ``path``, checking its CRC32 (and, with ``decode``, that it decodes),
+    and each of its fields: against its CRC32, and that its bytes are a value of the field's kind.
 
     The records the format keeps of each sample besides its bytes, which our
     reads never use but other tools do, are checked too: a ZIP member's local
@@ -108,13 +109,24 @@ def verify_archive(
 
 
 def _check_sample(reader, i: int, decode: bool) -> Optional[str]:
+    """What is wrong with sample i (its image, then each field), or None."""
+    problems = []
     try:
         stored = reader.read(i)  # checks the CRC32
         if decode:
             codecs.open_image(stored)
     except CorruptSampleError as exc:
-        return exc.problem
+        problems.append(exc.problem)
     except codecs.DecodeError as exc:
-        return f"does not decode: {exc}"
-    return None
+        problems.append(f"does not decode: {exc}")
+    for spec in reader.fields:  # each checked against its CRC32, and read as a value of its kind
+        try:
+            value = reader.read_field(i, spec.name)
+            if decode and spec.kind == "image":
+                codecs.open_image(value)
+        except CorruptSampleError as exc:
+            problems.append(exc.problem)
+        except codecs.DecodeError as exc:
+            problems.append(f"field {spec.name!r} does not decode: {exc}")
+    return "; ".join(problems) or None
 

@@ -436,8 +436,9 @@ def _pixels_of(seed, i):
 
 
 def _spill_dirs():
-    root = parallel.SPILL_ROOT
-    return sorted(n for n in os.listdir(root) if n.startswith(parallel.SPILL_PREFIX)) if os.path.isdir(root) else []
+    """This process's spill folders (another test process may be converting at the same time)."""
+    root, mine = parallel.SPILL_ROOT, f"{parallel.SPILL_PREFIX}{os.getpid()}-"
+    return sorted(n for n in os.listdir(root) if n.startswith(mine)) if os.path.isdir(root) else []
 
 
 @pytest.mark.parametrize("spill", [True, False], ids=["through-shared-memory", "through-the-pipe"])

@@ -22,7 +22,7 @@ from packed_formats import codecs, parts, storage
 from packed_formats.backends.sharded import INDEX_VERSION, ShardedWriter, index_text, read_shard_index
 from packed_formats.cli import main
 from packed_formats.convert import convert
-from packed_formats.manifest import FORMAT_VERSION, PLAIN_VERSION
+from packed_formats.manifest import FORMAT_VERSION, PLAIN_VERSION, SET_VERSION
 
 FORMATS = ["zip", "hdf5", "lmdb", "memmap"]
 EXT = {"zip": ".zip", "hdf5": ".h5", "lmdb": ".lmdb", "memmap": ".memmap"}
@@ -110,7 +110,7 @@ def test_the_index_is_sealed_and_each_part_names_the_set_and_its_place(tmp_path,
     for k in range(3):
         with pf.open_archive(part(path, k)) as reader:
             assert (reader.manifest.set_id, reader.manifest.part) == (content["set_id"], k)
-            assert reader.manifest.format_version == FORMAT_VERSION
+            assert reader.manifest.format_version == SET_VERSION
     with pf.open_archive(path) as reader:
         assert (reader.manifest.set_id, reader.manifest.part) == (content["set_id"], -1)
     assert read_every_sample(path) == list(range(SAMPLES))

@@ -38,8 +38,9 @@ from ..errors import (
     SampleIndexError,
     TooManyOpenFilesError,
 )
+from ..fields import FieldSpec, FieldValueError, check_fields
 from ..handles import ProcessLocal, SharedHandle
-from ..index import IndexBuilder, SampleIndex, anonymous_array
+from ..index import FieldIndexBuilder, IndexBuilder, SampleIndex, anonymous_array
 from ..manifest import MODES, ArchiveManifest, new_manifest
 from ..policy import VerifyPolicy, check_verify
 from ..tracebacks import drops_frames
@@ -134,6 +135,11 @@ class Backend(abc.ABC, Generic[H]):
     @abc.abstractmethod
     def read(self, handle: H, i: int) -> Blob:
         """The stored bytes of sample i (pixels for raw, file bytes for encoded), unchecked."""
+
+    def read_field(self, handle: H, name: str, i: int) -> Blob:
+        """The stored bytes of field ``name`` of sample i, unchecked (formats that store fields override this)."""
+        raise CorruptArchiveError(self.path, f"the {self.format_name} format stores no fields, yet the manifest "
+                                             f"declares them", hint=DAMAGED_HINT)
 
     def read_batch(self, handle: H, idx: np.ndarray, out: np.ndarray) -> None:
         """Fill out[j] with raw sample idx[j]; formats override this when they can do better than a loop."""
@@ -522,6 +528,42 @@ class Reader:
                 self._verify(int(i), out[j])
         return out
 
+    # ---- fields ----
+    @property
+    def fields(self) -> Tuple[FieldSpec, ...]:
+        """What each sample holds besides its image and label (the manifest's declaration)."""
+        return self.manifest.fields
+
+    @drops_frames
+    def read_field_bytes(self, i: int, name: str) -> bytes:
+        """The stored bytes of field ``name`` of sample i, checked against their CRC32 (unless verify is False)."""
+        self.manifest.field(name)
+        i = self.check_index(i)
+        return bytes(self._read_field_checked(self._unchanged_handle(), name, i))
+
+    @drops_frames
+    def read_field(self, i: int, name: str) -> Any:
+        """Field ``name`` of sample i as its value (``FieldSpec.decode``): bytes of an image or of bytes, a numpy
+        array, a str or a JSON value.  KeyError for a field the archive does not have."""
+        spec = self.manifest.field(name)
+        i = self.check_index(i)
+        blob = self._read_field_checked(self._unchanged_handle(), name, i)
+        try:
+            return spec.decode(blob)
+        except FieldValueError as exc:
+            raise self.sample_error(i, str(exc)) from None
+
+    def _read_field_checked(self, handle: Handle, name: str, i: int) -> Blob:
+        with named_failures(self.path, f"cannot read field {name!r}", index=i, index_data=self.index):
+            blob = self.backend.read_field(handle, name, i)
+        crcs = self.index.fields.get(f"field.{name}.crc32")
+        if self.verify is not False and crcs is not None:
+            actual, expected = crc32(blob), int(crcs[i])
+            if actual != expected:
+                raise self.sample_error(i, f"field {name!r}: checksum mismatch (stored crc32 {expected:08x}, "
+                                           f"read {actual:08x})")
+        return blob
+
     # ---- checks ----
     def structure_problems(self, first: int, last: int) -> Dict[int, str]:
         """Samples first:last whose records in the format's own structure are damaged (see
@@ -584,8 +626,15 @@ class Reader:
 
     def _check_index_consistent(self) -> None:
         n = self.manifest.count
+        for spec in self.manifest.fields:  # never a field read unchecked because its arrays were left out
+            offsets, crcs = spec.array_names
+            needed = [offsets] + ([crcs] if self.manifest.checksum else [])
+            missing = [name for name in needed if name not in self.index.fields]
+            if missing:
+                raise CorruptArchiveError(self.path, f"the index lacks {missing}, which field {spec.name!r} needs",
+                                          hint=DAMAGED_HINT)
         for name, array in self.index.arrays().items():
-            expected = n + 1 if name == "offsets" else n
+            expected = n + 1 if name.endswith("offsets") else n
             if len(array) != expected:
                 raise CorruptArchiveError(
                     self.path,
@@ -718,10 +767,13 @@ class Writer(WriteTransaction):
         encoding: "jpeg" or "png", for pixels added to an encoded archive.
         quality: the JPEG quality of such pixels.
         overwrite: replace an archive already at ``path`` (else ArchiveExistsError).
+        fields: what each sample holds besides its image and label (``fields.FieldSpec`` or ``NAME=KIND``
+            strings); ``add`` then takes each sample's values as ``fields={name: value}``.
     """
 
     format_name: ClassVar[str] = ""
     stores_positions: ClassVar[bool] = False  # whether the index records each sample's file position
+    stores_fields: ClassVar[bool] = False  # whether the format stores fields (``append_field``)
 
     def __init__(
         self,
@@ -733,8 +785,13 @@ class Writer(WriteTransaction):
         encoding: str = "jpeg",
         quality: int = 90,
         overwrite: bool = False,
+        fields: Sequence[Any] = (),
     ) -> None:
         self.path = os.fspath(path)
+        self.fields = check_fields(fields)
+        if self.fields and not self.stores_fields:
+            raise ValueError(f"the {self.format_name} format stores no fields yet; of the formats, "
+                             f"{', '.join(_field_formats())} do")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.mode = mode
@@ -750,6 +807,7 @@ class Writer(WriteTransaction):
         self._encodings_seen: set = set()
         self._builder = IndexBuilder(offsets=mode == "encoded" or self.stores_positions,
                                      positions=self.stores_positions)
+        self._field_builder = FieldIndexBuilder([spec.name for spec in self.fields], positions=self.stores_positions)
         self._closed = False
         if os.path.lexists(self.path) and not overwrite:
             raise ArchiveExistsError(self.path, "already exists", hint="pass overwrite=True to replace it")
@@ -769,6 +827,15 @@ class Writer(WriteTransaction):
     def append(self, blob: bytes, i: int, crc: int) -> int:
         """Store sample i's bytes (``crc``: their CRC32, computed once for the index and any format
         that records it too); return its absolute file position or -1."""
+
+    def append_field(self, name: str, blob: bytes, i: int, crc: int) -> int:
+        """Store the bytes of field ``name`` of sample i (after the sample's image, fields in their declared
+        order); return their absolute file position or -1.  Formats with ``stores_fields`` override this."""
+        raise NotImplementedError(f"the {self.format_name} format stores no fields")
+
+    def place_fields(self, arrays: Dict[str, np.ndarray]) -> None:
+        """Called once every sample is appended, before the index is sealed: a format that kept its field
+        values aside moves them into place and corrects their positions in ``arrays`` (default: nothing)."""
 
     @abc.abstractmethod
     def finish(self, index: SampleIndex, manifest: ArchiveManifest) -> None:
@@ -795,18 +862,43 @@ class Writer(WriteTransaction):
     def __len__(self) -> int:
         return self._builder.count
 
-    def add(self, sample: Any, label: int, key: Optional[str] = None) -> int:
-        """Append one sample (encoded bytes, HxWxC uint8 array or PIL image); return its index."""
+    def add(self, sample: Any, label: int, key: Optional[str] = None, fields: Optional[Dict[str, Any]] = None) -> int:
+        """Append one sample (encoded bytes, HxWxC uint8 array or PIL image) and its ``fields`` (a value for
+        each field the writer declares); return its index.  A sample that cannot be stored
+        (InvalidSampleError) leaves nothing of itself written: the writer goes on with the next."""
         if self._closed:
             raise ClosedArchiveError(self.path, "the writer is closed")
         i = self._builder.count
         key = f"{i:08d}" if key is None else str(key)
         label = self._check_label(label, i, key)
         blob = self._to_blob(sample, i, key)
+        values = self._field_blobs(fields, i, key)  # all checked before anything of the sample is written
         crc = crc32(blob)
         position = self.append(blob, i, crc)
+        for name, value in values:
+            value_crc = crc32(value)
+            self._field_builder.append(name, value_crc, len(value), self.append_field(name, value, i, value_crc))
         self._builder.append(label, key, crc, len(blob), position)
         return i
+
+    def _field_blobs(self, values: Optional[Dict[str, Any]], i: int, key: str) -> List[Tuple[str, bytes]]:
+        """(name, stored bytes) of each declared field of sample i, in order (InvalidSampleError naming
+        the field when one is missing, unknown or no value of its kind)."""
+        values = {} if values is None else values
+        unknown = sorted(set(values) - {spec.name for spec in self.fields})
+        if unknown:
+            declared = ", ".join(spec.describe() for spec in self.fields) or "none"
+            raise InvalidSampleError(self.path, f"fields {unknown} are not declared (the writer's fields: {declared})",
+                                     index=i, key=key, hint="declare them: fields=[...] or --field NAME=KIND")
+        out = []
+        for spec in self.fields:
+            if spec.name not in values or values[spec.name] is None:
+                raise InvalidSampleError(self.path, f"field {spec.name!r} has no value", index=i, key=key)
+            try:
+                out.append((spec.name, spec.encode(values[spec.name])))
+            except FieldValueError as exc:
+                raise InvalidSampleError(self.path, str(exc), index=i, key=key) from None
+        return out
 
     def close(self) -> None:
         """Seal, spot-check and publish the archive at ``path``."""
@@ -818,9 +910,14 @@ class Writer(WriteTransaction):
             positions = self.final_positions()
             if positions is not None:
                 index = dataclasses.replace(index, positions=np.asarray(positions, dtype=np.int64))
+            if self.fields:
+                arrays = self._field_builder.build(len(index))
+                self.place_fields(arrays)
+                index = dataclasses.replace(index, fields=arrays)
             checksums = [(name, array_crc32(array)) for name, array in index.arrays().items()]
             manifest = new_manifest(
-                self.format_name, self.mode, len(index), self.classes, self.shape, self._manifest_encoding(), checksums
+                self.format_name, self.mode, len(index), self.classes, self.shape, self._manifest_encoding(), checksums,
+                fields=self.fields,
             )
             self.finish(index, manifest)
             del index, positions  # the file holds the index now: the spot check maps it from there
@@ -898,6 +995,8 @@ class Writer(WriteTransaction):
                 raise CorruptArchiveError(self.path, f"wrote {count} samples but the archive holds {len(reader)}")
             for i in {0, count - 1} if count else ():
                 reader.read(i)
+                for field in self.fields:
+                    reader.read_field(i, field.name)
 
 
 def _check_shape(shape: Optional[Sequence[int]]) -> Optional[Tuple[int, int, int]]:
@@ -972,3 +1071,10 @@ def _fsync_dir(path: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def _field_formats() -> List[str]:
+    """The registered formats whose writers store fields."""
+    from . import SPECS
+
+    return [spec.name for spec in SPECS if spec.writer is not None and spec.writer.stores_fields]

@@ -37,6 +37,7 @@ from ..errors import (
     PackedFormatError,
     UnknownFormatError,
 )
+from ..fields import field_arrays
 from ..index import SampleIndex, from_npy_bytes, npy_record
 from ..manifest import ArchiveManifest
 from . import index_map, lmdb_pages
@@ -63,8 +64,14 @@ def sample_key(i: int) -> bytes:
     return b"%010d" % i
 
 
+def field_key(name: str, i: int) -> bytes:
+    """The record of field ``name`` of sample i."""
+    return b"field/%s/%010d" % (name.encode(), i)
+
+
 class LMDBWriter(Writer):
     format_name = "lmdb"
+    stores_fields = True
 
     @staticmethod
     def size_bound(mode: str, count: int, payload: int, sample_bytes: Optional[int], key_bytes: int,
@@ -108,7 +115,13 @@ class LMDBWriter(Writer):
             self._mapped_from = info["last_pgno"]
 
     def append(self, blob: bytes, i: int, crc: int) -> int:
-        self._pending.append((sample_key(i), blob))
+        return self._put(sample_key(i), blob)
+
+    def append_field(self, name: str, blob: bytes, i: int, crc: int) -> int:
+        return self._put(field_key(name, i), blob)
+
+    def _put(self, key: bytes, value: bytes) -> int:
+        self._pending.append((key, value))
         if len(self._pending) >= _COMMIT_EVERY:
             self._commit(self._pending)
             self._pending = []
@@ -244,7 +257,7 @@ class LMDBBackend(Backend[LMDBHandle]):
                     arrays = _index_arrays(handle, _index_records(txn))
             except (lmdb.Error, KeyError, ValueError) as exc:
                 raise CorruptArchiveError(path, f"cannot read the archive index: {exc}") from None
-        return manifest, SampleIndex.from_arrays(arrays)
+        return manifest, SampleIndex.from_arrays(arrays, field_arrays(manifest.fields))
 
     def open(self) -> LMDBHandle:
         return _open_env(self.path, wants_readahead(self.manifest))
@@ -264,6 +277,17 @@ class LMDBBackend(Backend[LMDBHandle]):
             raise self.corrupt(f"LMDB read failed: {exc}", i) from None
         if value is None:
             raise self.corrupt("the sample's record is missing", i)
+        return value
+
+    def read_field(self, handle: LMDBHandle, name: str, i: int) -> bytes:
+        handle.check_size()
+        try:
+            with handle.env.begin(buffers=False) as txn:
+                value = txn.get(field_key(name, i))
+        except lmdb.Error as exc:
+            raise self.corrupt(f"LMDB read failed: {exc}", i) from None
+        if value is None:
+            raise self.corrupt(f"the record of field {name!r} is missing", i)
         return value
 
     def read_batch(self, handle: LMDBHandle, idx: np.ndarray, out: np.ndarray) -> None:

@@ -2,10 +2,12 @@
 
 ``images.npy`` is uint8 [N,H,W,C] (raw) or ``data.npy`` a flat uint8 byte store
 with ``offsets.npy`` (encoded); ``labels.npy``, ``keys.npy``, ``crc32.npy`` hold
-the index.  Every file opens with ``numpy.load(..., mmap_mode="r")``.  Readers
-map the data per process and pickle as their path, never their pages.  The
-index files are mapped too, when the metadata is read, so no process holds a
-private copy of the index; as with any map, an index file truncated in place
+the index.  Each field NAME of the samples is a flat uint8 ``field.NAME.npy``
+with ``field.NAME.offsets.npy`` and ``field.NAME.crc32.npy`` in the index.
+Every file opens with ``numpy.load(..., mmap_mode="r")``.  Readers map the data
+per process and pickle as their path, never their pages.  The index files are
+mapped too, when the metadata is read, so no process holds a private copy of
+the index; as with any map, an index file truncated in place
 under a reader would end it with SIGBUS (archives are replaced whole, never
 rewritten: the sample data's size is checked before each read).
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import mmap
 import os
-from typing import BinaryIO, List, Optional, Tuple
+from typing import BinaryIO, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -25,6 +27,7 @@ from ..errors import (
     IncompleteArchiveError,
     UnknownFormatError,
 )
+from ..fields import field_arrays
 from ..index import SampleIndex
 from ..manifest import ArchiveManifest
 from . import index_map, mapped
@@ -37,6 +40,10 @@ _INDEX_NAMES = ("labels", "keys", "crc32", "offsets")
 
 def data_file_name(mode: str) -> str:
     return "images.npy" if mode == "raw" else "data.npy"
+
+
+def field_file_name(name: str) -> str:
+    return f"field.{name}.npy"
 
 
 def _npy_header(shape: Tuple[int, ...]) -> bytes:
@@ -82,6 +89,7 @@ class MappedNpy(Handle):
         self.array: Optional[np.ndarray] = np.frombuffer(buffer, dtype=np.uint8, count=nbytes, offset=offset).reshape(
             shape
         )
+        self.fields: Dict[str, "MappedNpy"] = {}  # the field files this process has mapped, by field name
         self.rows: Optional[mapped.MappedRows] = None  # raw images as rows of the map, for batch gathers
         if self.map is not None and len(shape) == 4:
             row_bytes = int(np.prod(shape[1:], dtype=np.int64))
@@ -93,6 +101,9 @@ class MappedNpy(Handle):
             raise mapped.FileTruncatedError(f"the file was truncated to {self.map.size()} bytes while mapped")
 
     def close(self) -> None:
+        for field in self.fields.values():
+            field.close()
+        self.fields = {}
         self.array = None
         if self.rows is not None:
             self.rows.close()  # and the map under them
@@ -106,6 +117,7 @@ class MappedNpy(Handle):
 
 class MemmapWriter(Writer):
     format_name = "memmap"
+    stores_fields = True
 
     def begin(self, temp_path: str) -> None:
         os.mkdir(temp_path)
@@ -113,10 +125,21 @@ class MemmapWriter(Writer):
         self._file = open(self._data_path, "wb")
         self._file.write(b"\0" * _HEADER_BYTES)
         self._bytes = 0
+        self._field_files: Dict[str, BinaryIO] = {}
+        self._field_bytes: Dict[str, int] = {}
+        for spec in self.fields:
+            self._field_files[spec.name] = open(os.path.join(temp_path, field_file_name(spec.name)), "wb")
+            self._field_files[spec.name].write(b"\0" * _HEADER_BYTES)
+            self._field_bytes[spec.name] = 0
 
     def append(self, blob: bytes, i: int, crc: int) -> int:
         self._file.write(blob)
         self._bytes += len(blob)
+        return -1
+
+    def append_field(self, name: str, blob: bytes, i: int, crc: int) -> int:
+        self._field_files[name].write(blob)
+        self._field_bytes[name] += len(blob)
         return -1
 
     def finish(self, index: SampleIndex, manifest: ArchiveManifest) -> None:
@@ -124,16 +147,21 @@ class MemmapWriter(Writer):
         self._file.seek(0)
         self._file.write(_npy_header(shape))
         self._file.close()
+        for name, file in self._field_files.items():
+            file.seek(0)
+            file.write(_npy_header((self._field_bytes[name],)))
+            file.close()
         for name, array in index.arrays().items():
             np.save(os.path.join(self.temp_path, f"{name}.npy"), array, allow_pickle=False)
-        with open(os.path.join(self.temp_path, MANIFEST), "w") as file:  # the seal, last
-            file.write(manifest.to_json())
+        with open(os.path.join(self.temp_path, MANIFEST), "w") as seal:  # the seal, last
+            seal.write(manifest.to_json())
 
     def discard(self) -> None:
-        try:
-            self._file.close()
-        except Exception:
-            pass
+        for file in [self._file, *getattr(self, "_field_files", {}).values()]:
+            try:
+                file.close()
+            except Exception:
+                pass
 
 
 class MemmapBackend(Backend[MappedNpy]):
@@ -151,7 +179,7 @@ class MemmapBackend(Backend[MappedNpy]):
             with open(manifest_path, "rb") as file:  # bytes: from_json reads them without a decoded copy
                 manifest = ArchiveManifest.from_json(file.read(), path=path)
             arrays = {}
-            for name in _INDEX_NAMES:
+            for name in _INDEX_NAMES + tuple(field_arrays(manifest.fields)):
                 array_path = os.path.join(path, f"{name}.npy")
                 if os.path.exists(array_path):
                     arrays[name] = _load_mapped(array_path)
@@ -160,13 +188,14 @@ class MemmapBackend(Backend[MappedNpy]):
         except (OSError, ValueError) as exc:
             raise CorruptArchiveError(path, f"cannot read the archive index: {exc}") from None
         _map_data(path, manifest.mode).close()  # the data file is checked now, in this process
-        return manifest, SampleIndex.from_arrays(arrays)
+        return manifest, SampleIndex.from_arrays(arrays, field_arrays(manifest.fields))
 
     def data_file(self) -> str:
         return os.path.join(self.path, data_file_name(self.manifest.mode))
 
     def files(self) -> List[str]:
         names = [MANIFEST, data_file_name(self.manifest.mode)] + [f"{n}.npy" for n in self.index.arrays()]
+        names += [field_file_name(spec.name) for spec in self.manifest.fields]
         return [os.path.join(self.path, n) for n in names]
 
     def open(self) -> MappedNpy:
@@ -183,6 +212,17 @@ class MemmapBackend(Backend[MappedNpy]):
         if self.manifest.mode == "raw":
             return array[i].reshape(-1)
         return array[int(self.offsets[i]) : int(self.offsets[i + 1])]
+
+    def read_field(self, handle: MappedNpy, name: str, i: int) -> np.ndarray:
+        field = handle.fields.get(name)
+        if field is None:
+            field = handle.fields[name] = _map_file(self.path, field_file_name(name))
+        field.check_size()
+        values = _array(field)
+        start, size = self.index.field_bytes(name, i)
+        if size < 0 or start < 0 or start + size > len(values):
+            raise self.corrupt(f"field {name!r}: bytes {start}:{start + size} lie outside its {len(values)}", i)
+        return values[start : start + size]
 
     def read_batch(self, handle: MappedNpy, idx: np.ndarray, out: np.ndarray) -> None:
         if handle.rows is None or not out.flags.c_contiguous:
@@ -245,7 +285,11 @@ def _array(handle: MappedNpy) -> np.ndarray:
 
 
 def _map_data(path: str, mode: str) -> MappedNpy:
-    name = data_file_name(mode)
+    return _map_file(path, data_file_name(mode))
+
+
+def _map_file(path: str, name: str) -> MappedNpy:
+    """The archive ``path``'s uint8 .npy file ``name``, mapped."""
     try:
         return MappedNpy(os.path.join(path, name))
     except FileNotFoundError:

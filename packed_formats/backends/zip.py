@@ -48,6 +48,7 @@ from ..errors import (
     IncompleteArchiveError,
     UnknownFormatError,
 )
+from ..fields import FIELD_ARRAY, field_arrays
 from ..index import Column, SampleIndex, from_npy_bytes
 from ..manifest import ArchiveManifest
 from . import index_map, mapped
@@ -86,6 +87,20 @@ _LOCAL_HEADER_MAX = LOCAL_HEADER.size + 2 * 0xFFFF  # with the longest name and 
 
 def member_name(i: int, extension: str) -> str:
     return f"samples/{i:09d}.{extension}"
+
+
+FIELD_EXTENSIONS = ("bin", "jpg", "png", "txt", "json")  # a field member's extension, by its code
+
+
+def field_member_name(name: str, i: int, extension: str) -> str:
+    return f"fields/{name}/{i:010d}.{extension}"
+
+
+def field_extension_code(kind: str, blob) -> int:
+    """The FIELD_EXTENSIONS code of a field value's member: what an image's bytes are, else by its kind."""
+    if kind == "image":
+        return {"jpeg": 1, "png": 2}.get(sniff(blob) or "", 0)
+    return {"text": 3, "json": 4}.get(kind, 0)
 
 
 def extension_code(mode: str, blob) -> int:
@@ -144,6 +159,7 @@ class ZipWriter(Writer):
 
     format_name = "zip"
     stores_positions = True
+    stores_fields = True
     zip64_limit = ZIP64_LIMIT  # sizes and offsets from this on get ZIP64 fields (tests lower it)
 
     def begin(self, temp_path: str) -> None:
@@ -151,6 +167,12 @@ class ZipWriter(Writer):
         self._at = 0  # bytes written so far
         self._kinds = Column(np.uint8)  # each sample's EXTENSIONS code
         self._metadata: Dict[str, Tuple[Place, int]] = {}  # the index and manifest members: place, CRC32
+        # Field members wait in a file of their own until the last sample (between the samples, they would
+        # break the even spacing raw batches are gathered by), each with its local header; then they follow.
+        self._aside: Optional[BinaryIO] = None
+        self._aside_at = 0
+        self._field_kinds = {spec.name: Column(np.uint8) for spec in self.fields}  # FIELD_EXTENSIONS codes
+        self._field_kind = {spec.name: spec.kind for spec in self.fields}
 
     def append(self, blob: bytes, i: int, crc: int) -> int:
         if i != len(self._kinds):
@@ -160,6 +182,39 @@ class ZipWriter(Writer):
         offset = self._write(header, blob)
         self._kinds.append(kind)
         return offset + len(header)
+
+    def append_field(self, name: str, blob: bytes, i: int, crc: int) -> int:
+        """Kept aside with its local header: where its data starts in the aside file (moved by ``place_fields``)."""
+        if self._aside is None:
+            self._aside = open(self.temp_path + ".fields", "w+b", buffering=1 << 20)
+        code = field_extension_code(self._field_kind[name], blob)
+        header = local_header(field_member_name(name, i, FIELD_EXTENSIONS[code]).encode(), len(blob), crc,
+                              limit=self.zip64_limit)
+        start = self._aside_at
+        self._aside_at += self._aside.write(header) + self._aside.write(blob)
+        self._field_kinds[name].append(code)
+        return start + len(header)
+
+    def place_fields(self, arrays: Dict[str, np.ndarray]) -> None:
+        """The field members after the samples; their positions in ``arrays`` made absolute."""
+        if self._aside is None:
+            return
+        base = self._at
+        self._aside.seek(0)
+        while True:
+            chunk = self._aside.read(1 << 20)
+            if not chunk:
+                break
+            self._write(chunk)
+        self._close_aside()
+        for spec in self.fields:
+            arrays[f"field.{spec.name}.positions"] += base
+
+    def _close_aside(self) -> None:
+        if self._aside is not None:
+            self._aside.close()
+            self._aside = None
+            os.unlink(self.temp_path + ".fields")
 
     def finish(self, index: SampleIndex, manifest: ArchiveManifest) -> None:
         for name, array in index.arrays().items():
@@ -172,6 +227,10 @@ class ZipWriter(Writer):
     def discard(self) -> None:
         try:
             self._file.close()
+        except Exception:
+            pass
+        try:
+            self._close_aside()
         except Exception:
             pass
 
@@ -209,6 +268,9 @@ class ZipWriter(Writer):
         kinds = self._kinds.take()
         for entries in sample_directory(index, kinds, self.zip64_limit):
             self._write(entries.view(np.uint8))
+        for spec in self.fields:
+            for entries in self._field_directory(index, spec.name):
+                self._write(entries.view(np.uint8))
         for name, (place, crc) in self._metadata.items():
             fields = (np.array([name.encode()]), np.array([crc], np.uint32), np.array([place.size]),
                       np.array([place.header]))
@@ -219,8 +281,22 @@ class ZipWriter(Writer):
         first_and_last = (0, n - 1) if n else ()  # their local headers, which readers check
         edges = tuple(int(_members(index, kinds, i, i + 1, self.zip64_limit)[2][0]) for i in first_and_last)
         locator = Locator(places, edges)
-        count = n + len(self._metadata)
+        count = n * (1 + len(self.fields)) + len(self._metadata)
         self._write(end_records(count, start, self._at - start, locator.encode(), self.zip64_limit))
+
+    def _field_directory(self, index: SampleIndex, name: str) -> Iterator[np.ndarray]:
+        """The central directory entries of field ``name``'s members, a chunk at a time."""
+        codes = self._field_kinds[name].take()
+        offsets, crcs = index.fields[f"field.{name}.offsets"], index.fields[f"field.{name}.crc32"]
+        positions = index.fields[f"field.{name}.positions"]
+        for first in range(0, len(index), _CENTRAL_CHUNK):
+            last = min(len(index), first + _CENTRAL_CHUNK)
+            names = np.array([field_member_name(name, i, FIELD_EXTENSIONS[c]).encode()
+                              for i, c in zip(range(first, last), codes[first:last])])
+            size = np.diff(offsets[first : last + 1])
+            # one name length per run of entries (an image field's jpg and png have the same)
+            header_at = positions[first:last] - local_header_size(names.dtype.itemsize, size, self.zip64_limit)
+            yield from central_headers(names, crcs[first:last], size, header_at, self.zip64_limit)
 
 
 class ZipHandle(Handle):
@@ -315,6 +391,19 @@ class ZipBackend(Backend[ZipHandle]):
         data = os.pread(handle.fd, size, int(self.positions[i]))
         if len(data) != size:
             raise self.corrupt(f"read {len(data)} of {size} bytes: the file is truncated", i)
+        return data
+
+    def read_field(self, handle: ZipHandle, name: str, i: int) -> bytes:
+        handle.check_size()
+        if f"field.{name}.positions" not in self.index.fields:
+            raise CorruptArchiveError(self.path, f"the index does not say where field {name!r} lies",
+                                      hint=DAMAGED_HINT)
+        start, size = self.index.field_bytes(name, i)
+        if start < 0 or size < 0 or start + size > handle.size:
+            raise self.corrupt(f"field {name!r}: bytes {start}:{start + size} lie outside the file", i)
+        data = os.pread(handle.fd, size, start)
+        if len(data) != size:
+            raise self.corrupt(f"field {name!r}: read {len(data)} of {size} bytes: the file is truncated", i)
         return data
 
     def read_batch(self, handle: ZipHandle, idx: np.ndarray, out: np.ndarray) -> None:
@@ -537,12 +626,13 @@ def _read_located(path: str, fd: int, end: End) -> Tuple[ArchiveManifest, Sample
         manifest = ArchiveManifest.from_json(text, path=path)
     except ValueError as exc:
         raise LayoutError(f"the manifest is damaged ({exc})") from None
-    if end.entries != manifest.count + len(locator.members):
-        raise LayoutError(f"the central directory has {end.entries} entries, the manifest says "
-                          f"{manifest.count} samples and the locator {len(locator.members)} other members")
+    members = manifest.count * (1 + len(manifest.fields))
+    if end.entries != members + len(locator.members):
+        raise LayoutError(f"the central directory has {end.entries} entries, the manifest says {members} samples "
+                          f"and field values and the locator {len(locator.members)} other members")
     arrays = {name[len(INDEX_DIR) : -len(".npy")]: place for name, place in locator.members.items() if name != MANIFEST}
     try:
-        index = SampleIndex.from_arrays(_map_arrays(fd, arrays))
+        index = SampleIndex.from_arrays(_map_arrays(fd, arrays), field_arrays(manifest.fields))
     except (KeyError, TypeError, ValueError) as exc:
         raise LayoutError(f"cannot read the archive index: {exc}") from None
     _check_samples(fd, locator, manifest, index, end.directory_offset)
@@ -577,7 +667,7 @@ def _map_arrays(fd: int, places: Dict[str, Place]) -> Dict[str, np.ndarray]:
     """Each index member's array as a read-only view of one map of the file (``index_map``)."""
     where = {}
     for array, place in places.items():
-        if not array.isidentifier():
+        if not (array.isidentifier() or FIELD_ARRAY.match(array)):
             raise LayoutError(f"the locator names an unexpected index member {array!r}")
         _local_header(fd, f"{INDEX_DIR}{array}.npy", place)
         where[array] = _npy_layout(fd, array, place)
@@ -635,7 +725,7 @@ def _read_with_zipfile(path: str) -> Tuple[ArchiveManifest, SampleIndex]:
                 for n in names
                 if n.startswith(INDEX_DIR) and n.endswith(".npy")
             }
-            index = SampleIndex.from_arrays(arrays)
+            index = SampleIndex.from_arrays(arrays, field_arrays(manifest.fields))
             if manifest.count:
                 _check_first_member(path, archive, index)
     except zipfile.BadZipFile as exc:

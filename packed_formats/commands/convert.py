@@ -79,16 +79,22 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
                        "HDF5 labels dataset, pickled record field, or parquet/arrow label column")
     group.add_argument("--image-key", "--image-column", metavar="NAME", help="webdataset image extension(s) "
                        "(jpg,jpeg,png,webp), HDF5 images dataset, pickled record field, or parquet/arrow image column")
+    group.add_argument("--field", action="append", metavar="NAME=KIND", help="a field to pack with each sample, "
+                       "repeatable: NAME=image, text, json, bytes or array:DTYPE[N,4] (N: any number of rows); "
+                       "'auto': each other member every webdataset sample has (seg.png: seg=image)")
     group.add_argument("--allow-pickle", action="store_true",
                        help="read an LMDB of pickled records: unpickling runs code from the file, trust it first")
 
 
 def source_options(args: argparse.Namespace) -> Dict[str, Any]:
     """The source options given on the command line, as keyword arguments."""
-    return dict(
+    options = dict(
         subdir=args.subdir, source_format=args.source_format, label_key=args.label_key, image_key=args.image_key,
         allow_pickle=args.allow_pickle,
     )
+    if args.field:
+        options["fields"] = tuple(args.field)
+    return options
 
 
 def source_argument(paths: List[str]) -> Union[str, List[str]]:

@@ -66,6 +66,7 @@ def describe_source(path: "str | Sequence[str]", **options: Any) -> Dict[str, An
             "failed": source.failed,
             "reading": source.notes(),
             "classes": {name: int(counts[c]) for c, name in enumerate(source.classes)},
+            **({"fields": [spec.describe() for spec in source.fields]} if source.fields else {}),
         }
 
 
@@ -91,6 +92,8 @@ def describe_archive(path: str) -> Dict[str, Any]:
             "created_at": m.created_at,
             "classes": {name: int(counts[c]) for c, name in enumerate(m.classes)},
         }
+        if m.fields:
+            facts["fields"] = [spec.describe() for spec in m.fields]
         parts = getattr(reader.backend, "parts", None)
         if isinstance(reader.backend, storage.RemoteSetBackend):
             facts["parts"] = [{"path": p.url, "format": reader.backend.part_format, "samples": p.count}
@@ -148,6 +151,8 @@ def _lines(f: Dict[str, Any], all_classes: bool) -> List[str]:
         f"size        {human_bytes(f['bytes'])} on disk",
         f"created     {f['created_with'] or 'unknown'}" + (f" at {f['created_at']}" if f["created_at"] else ""),
     ]
+    if f.get("fields"):
+        lines.append(f"fields      {', '.join(f['fields'])}")
     return lines + _class_lines(f, all_classes)
 
 

@@ -88,6 +88,7 @@ def open_source(
     image_key: Optional[str] = None,
     allow_pickle: bool = False,
     on_error: str = "raise",
+    fields: Sequence[Any] = (),
 ) -> Source:
     """The Source at ``path`` (see SourceOptions for the options), its kind found from the content.
 
@@ -105,7 +106,7 @@ def open_source(
     """
     options = SourceOptions(
         labels=None if labels is None else os.fspath(labels), subdir=subdir, source_format=source_format,
-        label_key=label_key, image_key=image_key, allow_pickle=allow_pickle, on_error=on_error,
+        label_key=label_key, image_key=image_key, allow_pickle=allow_pickle, on_error=on_error, fields=tuple(fields),
     )
     paths = _paths(path)
     kind = _kind(paths, options)
@@ -115,6 +116,11 @@ def open_source(
         if len(paths) != 1:
             raise InvalidSourceError(_shown(path), "several paths are read only as webdataset shards")
         source = kind.open(paths[0], options)
+    if options.fields and not source.reads_fields:
+        source.close()
+        readers = ", ".join(k.kind for k in KINDS if k.reads_fields)
+        raise InvalidSourceError(source.path, f"fields are read from {readers} sources so far; this is a "
+                                              f"{source.kind} source", hint="convert it without --field")
     if isinstance(source, PackedSource):
         return source
     if len(source) == 0:

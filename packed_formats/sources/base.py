@@ -21,6 +21,7 @@ from typing import Any, ClassVar, Dict, Iterator, List, NamedTuple, Optional, Se
 import numpy as np
 
 from ..errors import InvalidSourceError, PackedFormatError
+from ..fields import FieldSpec, check_fields
 from ..index import decode_key, encode_keys
 from ..policy import check_on_error
 
@@ -55,6 +56,8 @@ class SourceOptions:
     file (``labels``, ``images``) or the field of a pickled record.
     allow_pickle: read an LMDB of pickled records (unpickling runs code from the file).
     on_error: "raise" at the first unusable sample found while listing, or "skip" it.
+    fields: the fields to read with each sample (``fields.FieldSpec``s, or ``NAME=KIND`` strings), and
+    "auto" among them: what the kind finds in every sample too; () reads none (each kind says what it can read).
     """
 
     labels: Optional[str] = None
@@ -64,9 +67,21 @@ class SourceOptions:
     image_key: Optional[str] = None
     allow_pickle: bool = False
     on_error: str = "raise"
+    fields: Tuple[Any, ...] = ()
 
     def __post_init__(self) -> None:
         check_on_error(self.on_error)
+        auto = ("auto",) if "auto" in self.fields else ()
+        object.__setattr__(self, "fields", check_fields([f for f in self.fields if f != "auto"]) + auto)
+
+    @property
+    def auto_fields(self) -> bool:
+        """Whether the fields found in every sample are read too (besides those declared)."""
+        return "auto" in self.fields
+
+    @property
+    def declared_fields(self) -> Tuple[FieldSpec, ...]:
+        return tuple(f for f in self.fields if f != "auto")
 
 
 class Sample(NamedTuple):
@@ -89,6 +104,8 @@ class Source:
 
     kind: ClassVar[str] = "source"
     random_access: bool = True  # a class default; a kind may decide per source (compressed or not)
+    fields: Tuple[FieldSpec, ...] = ()  # what each sample holds besides its image and label (``load_fields``)
+    reads_fields: ClassVar[bool] = False  # whether the kind reads fields (SourceOptions.fields)
 
     def __init__(
         self,
@@ -137,6 +154,11 @@ class Source:
         Raises PackedFormatError (CorruptSampleError) naming the sample when it cannot be read.
         """
         raise NotImplementedError(f"{type(self).__name__} is read in one ordered pass: iterate over it")
+
+    def load_fields(self, i: int) -> Dict[str, Any]:
+        """Sample i's value of each of ``fields``, checked against its declaration (a PackedFormatError
+        naming the file and field when one is missing or no value of its kind)."""
+        return {}
 
     def __iter__(self) -> Iterator[Sample]:
         """Every sample, in order; one that cannot be read comes with its error as ``data``."""

@@ -1,14 +1,16 @@
 """packed: an archive written by packed_formats (any format, sharded or not), to convert to another.
 
 Read through its Reader (checksums verified), at random: the Reader pickles
-as its path, so each conversion worker opens its own.
+as its path, so each conversion worker opens its own.  The archive's fields
+come along, all of them unless some are named (``--field NAME=KIND`` as the
+archive declares it).
 """
 
 from __future__ import annotations
 
 import os
 import re
-from typing import Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
@@ -26,6 +28,7 @@ class PackedSource(Source):
 
     kind = "packed"
     random_access = True
+    reads_fields = True
 
     def __init__(self, path: str, reader: Reader) -> None:
         keys = np.asarray(reader.index.keys)  # a sharded archive's, joined: the converter holds the whole index
@@ -53,7 +56,17 @@ class PackedSource(Source):
         for name in ("subdir", "label_key", "image_key"):
             if getattr(options, name) is not None:
                 raise InvalidSourceError(path, f"a packed_formats archive takes no {name} option")
-        return cls(path, open_archive(path, verify=True))
+        source = cls(path, open_archive(path, verify=True))
+        source.fields = source.reader.fields
+        declared = options.declared_fields
+        if declared and not options.auto_fields:
+            unknown = [spec.describe() for spec in declared if spec not in source.fields]
+            if unknown:
+                source.close()
+                there = ", ".join(spec.describe() for spec in source.fields) or "none"
+                raise InvalidSourceError(path, f"the archive has no field {unknown[0]} (its fields: {there})")
+            source.fields = declared
+        return source
 
     @property
     def raw_shape(self) -> Optional[Tuple[int, int, int]]:
@@ -64,6 +77,9 @@ class PackedSource(Source):
 
     def load(self, i: int) -> Data:
         return self.reader.read(i)
+
+    def load_fields(self, i: int) -> Dict[str, Any]:
+        return {spec.name: self.reader.read_field(i, spec.name) for spec in self.fields}
 
     def close(self) -> None:
         self.reader.close()

@@ -9,6 +9,16 @@ comma-separated list in order of preference), the label the text of the
 the shards' order; a sample's key in the archive is its image member's name.
 A sample without label or image is an error naming the shard and key, or is
 left out with on_error="skip".
+
+With ``fields`` the sample's other members become fields of the archive: a
+field NAME takes the member whose extension is NAME or starts with NAME and a
+dot (``seg`` takes ``seg.png``).  ``("auto",)`` makes a field of each other
+extension every sample has: images (png, jpg, jpeg, webp) as image fields,
+json, txt (text) and the rest as bytes, named by the extension's first part
+(``seg.png`` is ``seg``); an ``.npy`` member needs its declaration
+(``--field depth=array:float32[N,4]``).  A sample without a field's member,
+or whose member is no value of its field, is an error naming the member (or
+is left out with on_error="skip").  Fields are read from uncompressed shards.
 """
 
 from __future__ import annotations
@@ -17,9 +27,10 @@ import itertools
 import os
 import posixpath
 import re
-from typing import Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..errors import ArchiveNotFoundError, InvalidSourceError
+from ..errors import ArchiveNotFoundError, CorruptSampleError, InvalidSourceError
+from ..fields import NAME, RESERVED, FieldSpec, FieldValueError
 from .base import SourceOptions, classes_and_labels, is_junk
 from .tarfiles import DEFAULT_LABEL_KEY, TarBackedSource, TarListing, TarSamples, member_extension, screen_members
 
@@ -31,6 +42,8 @@ class WebDatasetSource(TarBackedSource):
     """Samples grouped by key in one or more tar shards."""
 
     kind = "webdataset"
+    reads_fields = True
+    field_samples: Dict[str, TarSamples] = {}
 
     @classmethod
     def matches(cls, listing: TarListing, options: SourceOptions) -> bool:
@@ -45,18 +58,27 @@ class WebDatasetSource(TarBackedSource):
         label_ext = (options.label_key or DEFAULT_LABEL_KEY).lower()
         preferred = _imagemember_extensions(options.image_key)
         failed = screen_members(path, listing, options)
+        grouped = _samples_by_key(listing)
+        specs = _field_specs(path, listing, grouped, options, preferred, label_ext)
         seqs: List[int] = []
         keys: List[str] = []
         values: List[str] = []
+        field_seqs: Dict[str, List[int]] = {spec.name: [] for spec in specs}
         skipped = 0
-        for part, members in _samples_by_key(listing):
+        for part, members in grouped:
             for key, found in members.items():
-                image = next((found[e] for e in preferred if e in found), None)
+                image_ext = next((e for e in preferred if e in found), None)
+                image = None if image_ext is None else found[image_ext]
                 label = found.get(label_ext)
-                skipped += len(found) - (image is not None) - (label is not None)
-                if image is None or label is None:
+                taken = (image_ext, label_ext)
+                chosen = {spec.name: _field_member(spec.name, found, taken) for spec in specs}
+                skipped += len(found) - (image is not None) - (label is not None) - sum(
+                    s is not None for s in chosen.values())
+                lacking = [name for name, s in chosen.items() if s is None]
+                if image is None or label is None or lacking:
                     problem = f"has no image member ({', '.join(preferred)})" if image is None else (
-                        f"has no .{label_ext} label member"
+                        f"has no .{label_ext} label member" if label is None else
+                        f"has no member for field {lacking[0]!r} (.{lacking[0]} or .{lacking[0]}.*)"
                     )
                     error = InvalidSourceError(
                         listing.parts[part], f"sample {key!r} {problem}", key=key,
@@ -70,11 +92,70 @@ class WebDatasetSource(TarBackedSource):
                 seqs.append(image)
                 keys.append(listing.names[image])
                 values.append(text)
+                for name, s in chosen.items():
+                    field_seqs[name].append(int(s or 0))  # a sample lacking one was left out above
         classes, labels = classes_and_labels(path, values)
         shards = f"{len(listing.parts)} shard{'s' if len(listing.parts) != 1 else ''}"
         compressed = ", compressed" if any(listing.compressed) else ""
-        return cls(path, classes, keys, labels, TarSamples(listing, seqs), skipped, failed,
-                   f"webdataset, {shards}{compressed}")
+        described = f", fields {', '.join(spec.describe() for spec in specs)}" if specs else ""
+        source = cls(path, classes, keys, labels, TarSamples(listing, seqs), skipped, failed,
+                     f"webdataset, {shards}{compressed}{described}")
+        source.fields = specs
+        source.field_samples = {name: TarSamples(listing, s) for name, s in field_seqs.items()}
+        return source
+
+    def load_fields(self, i: int) -> Dict[str, Any]:
+        key = self.key(i)
+        out = {}
+        for spec in self.fields:
+            members = self.field_samples[spec.name]
+            try:
+                out[spec.name] = spec.from_file(members.read(i, key))
+            except FieldValueError as exc:
+                raise CorruptSampleError(members.where(i), str(exc), index=i, key=key,
+                                         hint="fix the member, declare the field otherwise (--field), or "
+                                              "--on-error skip") from None
+        return out
+
+
+def _field_specs(path: str, listing: TarListing, grouped, options: SourceOptions, preferred: List[str],
+                 label_ext: str) -> Tuple[FieldSpec, ...]:
+    """The fields to read: those declared, or (auto) one for each other extension every sample has."""
+    if not options.fields:
+        return ()
+    if any(listing.compressed):
+        raise InvalidSourceError(path, "fields are read from uncompressed shards only, so far",
+                                 hint="decompress the shards first (gunzip), or convert without --field")
+    declared = options.declared_fields
+    if not options.auto_fields:
+        return declared
+    common: Optional[set] = None
+    for _, members in grouped:
+        for found in members.values():
+            image_ext = next((e for e in preferred if e in found), None)
+            others = {e for e in found if e not in (image_ext, label_ext)}
+            common = others if common is None else common & others
+    specs = list(declared)
+    for extension in sorted(common or ()):
+        name, last = extension.split(".", 1)[0], extension.rsplit(".", 1)[-1]
+        if not NAME.match(name) or name in RESERVED or name in {spec.name for spec in specs}:
+            continue
+        if last == "npy":
+            raise InvalidSourceError(path, f"the .{extension} members are arrays: declare their dtype and shape",
+                                     hint=f"--field {name}=array:DTYPE[N,...] (e.g. float32[N,4])")
+        kind = "image" if last in IMAGE_EXTENSIONS else {"json": "json", "txt": "text"}.get(last, "bytes")
+        specs.append(FieldSpec(name, kind))
+    return tuple(specs)
+
+
+def _field_member(name: str, found: Dict[str, int], taken: Tuple[Optional[str], str]) -> Optional[int]:
+    """The member of a sample that field ``name`` takes: extension ``name``, else the one ``name.*`` (the
+    first in name order), never the sample's image or label (the extensions ``taken``)."""
+    name = name.lower()
+    if name in found and name not in taken:
+        return found[name]
+    matches = sorted(e for e in found if e.startswith(name + ".") and e not in taken)
+    return found[matches[0]] if matches else None
 
 
 def _samples_by_key(listing: TarListing) -> List[Tuple[int, Dict[str, Dict[str, int]]]]:

@@ -1,0 +1,300 @@
+"""Fields of a sample beyond its image and class: what each kind stores, and how its bytes come back.
+
+A sample may carry named fields besides its image: a segmentation mask, boxes, a caption, a depth
+map, any metadata.  Each field is declared once per archive (``FieldSpec``, in the manifest) with a
+kind, and each sample stores one value of it as bytes, under its own CRC32, read only when asked:
+
+* ``image``: an encoded image (a mask as PNG, a second view as JPEG); arrays and PIL images given
+  to the writer are stored as PNG (lossless, as a mask must be).
+* ``array``: a numpy array of a declared ``dtype`` and ``shape``.  The first dimension may be
+  ``None``: a variable number of rows (boxes ``[N, 4]`` float32, polygon points ``[N, 2]``).
+* ``bytes``: bytes as given.
+* ``text``: a str, stored as UTF-8.
+* ``json``: a JSON value (finite numbers only), stored as compact UTF-8 JSON.
+
+What is stored is a pure function of the value (arrays in little-endian C order), so the same input
+gives the same archive byte for byte.  Decoding checks what it reads against the declaration: a
+stored array whose size is no whole number of rows, text that is not UTF-8, JSON that does not
+parse are ``CorruptSampleError``s naming the field, never a wrong value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import re
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from . import codecs
+
+KINDS = ("image", "array", "bytes", "text", "json")
+NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}\Z")
+RESERVED = frozenset({"image", "label", "key", "index", "target"})  # what a sample's dict already holds
+DTYPES = ("uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64", "float16", "float32",
+          "float64", "bool")
+ARRAY_PREFIX = "field."  # index arrays of field NAME: "field.NAME.offsets", "field.NAME.crc32"[, ".positions"]
+FIELD_ARRAY = re.compile(r"field\.[A-Za-z][A-Za-z0-9_]{0,63}\.(offsets|crc32|positions)\Z")
+
+
+class FieldValueError(ValueError):
+    """A value that field cannot store, or stored bytes that are no value of it (the message names the field)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FieldSpec:
+    """One field of every sample of an archive.
+
+    Args:
+        name: letters, digits and ``_``, starting with a letter, at most 64; not ``image``, ``label``,
+            ``key``, ``index`` or ``target``.
+        kind: "image", "array", "bytes", "text" or "json".
+        dtype: an array's element type (``DTYPES``), for kind "array" only.
+        shape: an array's shape, for kind "array" only; its first dimension may be None (any number
+            of rows), the others are fixed.
+    """
+
+    name: str
+    kind: str
+    dtype: Optional[str] = None
+    shape: Optional[Tuple[Optional[int], ...]] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not NAME.match(self.name) or self.name in RESERVED:
+            raise FieldValueError(f"field name {self.name!r} must be letters, digits and _ (starting with a letter, "
+                                  f"at most 64), and none of {sorted(RESERVED)}")
+        if self.kind not in KINDS:
+            raise FieldValueError(f"field {self.name!r}: kind must be one of {KINDS}, got {self.kind!r}")
+        if self.kind != "array":
+            if self.dtype is not None or self.shape is not None:
+                raise FieldValueError(f"field {self.name!r}: only an array field has a dtype and shape")
+            return
+        if self.dtype not in DTYPES:
+            raise FieldValueError(f"field {self.name!r}: dtype must be one of {DTYPES}, got {self.dtype!r}")
+        shape = self.shape
+        if not isinstance(shape, (tuple, list)) or not 1 <= len(shape) <= 8:
+            raise FieldValueError(f"field {self.name!r}: an array's shape has 1 to 8 dimensions, got {shape!r}")
+        dims = tuple(None if d is None else _dimension(self.name, d) for d in shape)
+        if None in dims[1:]:
+            raise FieldValueError(f"field {self.name!r}: only the first dimension may vary, got {shape!r}")
+        object.__setattr__(self, "shape", dims)
+
+    @classmethod
+    def parse(cls, text: str) -> "FieldSpec":
+        """A field from ``NAME=KIND``, ``NAME=array:DTYPE[D0,D1,...]`` (``D0`` may be ``N``: any number of
+        rows), as the command line's ``--field`` takes it: ``mask=image``, ``boxes=array:float32[N,4]``."""
+        name, sep, kind = text.partition("=")
+        if not sep:
+            raise FieldValueError(f"a field is NAME=KIND, got {text!r}")
+        match = re.fullmatch(r"array:(\w+)\[([\w, ]*)\]", kind.strip())
+        if match:
+            dims = [d.strip() for d in match.group(2).split(",") if d.strip()]
+            shape = tuple(None if d.upper() == "N" else _dimension(name, d) for d in dims)
+            return cls(name.strip(), "array", match.group(1), shape)
+        return cls(name.strip(), kind.strip())
+
+    def describe(self) -> str:
+        """``NAME=KIND`` as ``parse`` takes it."""
+        if self.kind != "array":
+            return f"{self.name}={self.kind}"
+        dims = ",".join("N" if d is None else str(d) for d in self.shape or ())
+        return f"{self.name}=array:{self.dtype}[{dims}]"
+
+    def to_json(self) -> Dict[str, Any]:
+        data: Dict[str, Any] = {"name": self.name, "kind": self.kind}
+        if self.kind == "array":
+            data["dtype"], data["shape"] = self.dtype, list(self.shape or ())
+        return data
+
+    @classmethod
+    def from_json(cls, data: Any) -> "FieldSpec":
+        """A field as the manifest stores it (FieldValueError when it is not one)."""
+        if not isinstance(data, dict) or set(data) - {"name", "kind", "dtype", "shape"}:
+            raise FieldValueError(f"a field is an object of name, kind, dtype and shape, got {data!r:.200}")
+        shape = data.get("shape")
+        if shape is not None and not isinstance(shape, list):
+            raise FieldValueError(f"a field's shape is a list, got {shape!r:.200}")
+        if data.get("kind") == "array" and (shape is None or "dtype" not in data):
+            raise FieldValueError(f"an array field names its dtype and shape, got {data!r:.200}")
+        return cls(str(data.get("name")), str(data.get("kind")), data.get("dtype"),
+                   None if shape is None else tuple(shape))
+
+    @property
+    def array_names(self) -> Tuple[str, str]:
+        """The index arrays of this field: each sample's offsets into its bytes, and their CRC32s."""
+        return (f"{ARRAY_PREFIX}{self.name}.offsets", f"{ARRAY_PREFIX}{self.name}.crc32")
+
+    @property
+    def fixed(self) -> bool:
+        """Whether every value has one shape (batched as one tensor): a fixed-shape array."""
+        return self.kind == "array" and None not in (self.shape or (None,))
+
+    # ---- values to bytes and back ----
+    def encode(self, value: Any) -> bytes:
+        """The bytes stored for ``value`` (FieldValueError naming the field when it is no value of it)."""
+        try:
+            return _ENCODERS[self.kind](self, value)
+        except FieldValueError:
+            raise
+        except (TypeError, ValueError, OverflowError, codecs.DecodeError) as exc:
+            raise FieldValueError(f"field {self.name!r} ({self.kind}): {exc}") from None
+
+    def from_file(self, data: bytes) -> Any:
+        """The value a source file's bytes hold (a webdataset member, a sidecar file): an image's or bytes'
+        bytes as they are, text as UTF-8, JSON parsed, an array from ``.npy`` bytes, checked to be a value of
+        this field.  FieldValueError naming the field when they are not."""
+        try:
+            if self.kind == "text":
+                value: Any = data.decode("utf-8")
+            elif self.kind == "json":
+                value = _decode_json(self, data)
+            elif self.kind == "array":
+                value = np.load(io.BytesIO(data), allow_pickle=False)
+            else:
+                value = data
+        except (UnicodeDecodeError, ValueError, OSError, EOFError, RecursionError) as exc:
+            raise FieldValueError(f"field {self.name!r} ({self.kind}): {type(exc).__name__}: {exc}") from None
+        self.encode(value)  # the check the writer makes, here where the file is known
+        return value
+
+    def decode(self, blob: Any) -> Any:
+        """The value of stored bytes: bytes (image, bytes), a numpy array, a str or a JSON value.
+        FieldValueError when the bytes are no value of this field."""
+        data = blob if isinstance(blob, (bytes, np.ndarray)) else bytes(blob)
+        try:
+            return _DECODERS[self.kind](self, data)
+        except FieldValueError:
+            raise
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            raise FieldValueError(f"field {self.name!r} ({self.kind}): {type(exc).__name__}: {exc}") from None
+
+
+def _dimension(name: str, value: Any) -> int:
+    try:
+        dim = int(value)
+    except (TypeError, ValueError):
+        raise FieldValueError(f"field {name!r}: a dimension is a positive integer or N, got {value!r}") from None
+    if dim <= 0 or dim > 1 << 31 or (not isinstance(value, str) and dim != value):
+        raise FieldValueError(f"field {name!r}: a dimension is a positive integer or N, got {value!r}")
+    return dim
+
+
+def _row_shape(spec: FieldSpec) -> Tuple[int, ...]:
+    return tuple(int(d or 0) for d in (spec.shape or ())[1:])  # only the first may be None
+
+
+def _encode_image(spec: FieldSpec, value: Any) -> bytes:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        data = bytes(value)
+        if codecs.sniff(data) is None:
+            raise FieldValueError(f"field {spec.name!r} (image): the bytes are no JPEG or PNG file")
+        return data
+    channels = _channels(value)
+    pixels = codecs.to_array(value) if channels is None else codecs.to_array(value, channels=channels)
+    return codecs.encode(pixels, "png")
+
+
+def _channels(value: Any) -> Optional[int]:
+    """1 for a 2-D array or an L/1/P image (a mask keeps its one channel), else None: what it has."""
+    shape = getattr(value, "shape", None)
+    if shape is not None:
+        return 1 if len(shape) == 2 else None
+    return 1 if getattr(value, "mode", None) in ("L", "1", "P") else None
+
+
+def _encode_array(spec: FieldSpec, value: Any) -> bytes:
+    if hasattr(value, "detach"):  # a torch tensor
+        value = value.detach().cpu().numpy()
+    array = np.asarray(value)
+    dtype = np.dtype(spec.dtype)
+    if array.dtype != dtype and not np.can_cast(array.dtype, dtype, casting="same_kind"):
+        raise FieldValueError(f"field {spec.name!r} (array): {array.dtype} values do not fit {dtype}")
+    shape = spec.shape or ()
+    if array.size == 0 and shape[0] is None:  # no rows, however given ([] is shape (0,))
+        array = array.reshape((0,) + _row_shape(spec))
+    if array.ndim != len(shape) or any(d is not None and d != n for d, n in zip(shape, array.shape)):
+        wanted = "x".join("N" if d is None else str(d) for d in shape)
+        raise FieldValueError(f"field {spec.name!r} (array): shape {tuple(array.shape)} is not [{wanted}]")
+    if array.dtype.kind == "f" and dtype.kind in "iub":
+        raise FieldValueError(f"field {spec.name!r} (array): {array.dtype} values do not fit {dtype}")
+    return np.ascontiguousarray(array, dtype=dtype.newbyteorder("<")).tobytes()
+
+
+def _decode_array(spec: FieldSpec, data: Any) -> np.ndarray:
+    dtype = np.dtype(spec.dtype).newbyteorder("<")
+    flat = np.frombuffer(data, dtype=np.uint8) if isinstance(data, bytes) else np.asarray(data, dtype=np.uint8)
+    rows = _row_shape(spec)
+    row_bytes = dtype.itemsize * int(np.prod(rows, dtype=np.int64))
+    shape = spec.shape or ()
+    if shape[0] is None:
+        if flat.size % row_bytes:
+            raise FieldValueError(f"field {spec.name!r} (array): {flat.size} bytes are no whole number of "
+                                  f"{row_bytes}-byte rows")
+        dims: Tuple[int, ...] = (flat.size // row_bytes,) + rows
+    else:
+        dims = tuple(int(d) for d in shape)  # type: ignore[arg-type]
+        if flat.size != row_bytes * dims[0]:
+            raise FieldValueError(f"field {spec.name!r} (array): {flat.size} bytes, expected "
+                                  f"{row_bytes * dims[0]} for {list(dims)} {spec.dtype}")
+    return flat.view(dtype).reshape(dims).astype(dtype.newbyteorder("="), copy=True)
+
+
+def _encode_text(spec: FieldSpec, value: Any) -> bytes:
+    if not isinstance(value, str):
+        raise FieldValueError(f"field {spec.name!r} (text): a str, got {type(value).__name__}")
+    return value.encode("utf-8")
+
+
+def _encode_json(spec: FieldSpec, value: Any) -> bytes:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+
+
+def _encode_bytes(spec: FieldSpec, value: Any) -> bytes:
+    if not isinstance(value, (bytes, bytearray, memoryview)):
+        raise FieldValueError(f"field {spec.name!r} (bytes): bytes, got {type(value).__name__}")
+    return bytes(value)
+
+
+def _decode_json(spec: FieldSpec, data: Any) -> Any:
+    def no_constants(name: str) -> Any:
+        raise ValueError(f"{name} is no JSON value")
+
+    return json.loads(bytes(data).decode("utf-8"), parse_constant=no_constants)
+
+
+_ENCODERS = {"image": _encode_image, "array": _encode_array, "bytes": _encode_bytes, "text": _encode_text,
+             "json": _encode_json}
+
+
+def _decode_image(spec: FieldSpec, data: Any) -> bytes:
+    data = bytes(data)
+    if codecs.sniff(data) is None:
+        raise FieldValueError(f"field {spec.name!r} (image): the stored bytes are no JPEG or PNG file")
+    return data
+
+
+_DECODERS = {
+    "image": _decode_image,
+    "array": _decode_array,
+    "bytes": lambda spec, data: bytes(data),
+    "text": lambda spec, data: bytes(data).decode("utf-8"),
+    "json": _decode_json,
+}
+
+
+def check_fields(fields: Sequence[Any]) -> Tuple[FieldSpec, ...]:
+    """``fields`` (FieldSpecs or ``NAME=KIND`` strings) as a tuple of FieldSpecs with distinct names."""
+    specs = tuple(f if isinstance(f, FieldSpec) else FieldSpec.parse(str(f)) for f in fields)
+    names = [s.name for s in specs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise FieldValueError(f"fields named more than once: {twice}")
+    return specs
+
+
+def field_arrays(specs: Sequence[FieldSpec]) -> List[str]:
+    """The names of every index array the fields ``specs`` may have (positions: in formats that record them)."""
+    return [name for spec in specs for name in spec.array_names + (f"{ARRAY_PREFIX}{spec.name}.positions",)]
+

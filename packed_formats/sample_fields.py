@@ -1,0 +1,129 @@
+"""A sample's fields as a training loop takes them: tensors, torchvision's tv_tensors, and batches.
+
+``PackedDataset(path, fields=...)`` returns each sample as a dict: ``image``, ``label`` and the fields
+asked for.  Each field is asked for with a *role* saying what it becomes:
+
+* ``"value"`` (a list of names asks for this): an image field in the dataset's ``output`` form (as
+  the image), an array field as a tensor, text as str, JSON as its value, bytes as bytes;
+* ``"mask"``: a ``tv_tensors.Mask`` (an image field's one channel, or a 2-D array field);
+* ``"boxes:FORMAT"``: a ``tv_tensors.BoundingBoxes`` of an ``[N, 4]`` array field in ``FORMAT`` (XYXY,
+  XYWH or CXCYWH) on the sample image's canvas;
+* ``"image"``: a ``tv_tensors.Image`` (a second view).
+
+With any tv_tensors role the sample's image is a ``tv_tensors.Image`` too, so that torchvision's v2
+transforms, given the whole dict, move masks and boxes with the image.  ``PackedDataset.collate``
+batches such dicts: variable-length fields (boxes, points), text and JSON as lists, the rest stacked.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from . import codecs, policy
+from .fields import FieldSpec
+
+ROLES = ("value", "mask", "image", "boxes")
+BOX_FORMATS = ("XYXY", "XYWH", "CXCYWH")
+
+
+def parse_roles(fields: "Sequence[str] | Mapping[str, str] | None", specs: Sequence[FieldSpec],
+                output: str) -> Optional[Dict[str, str]]:
+    """{field: role} of what a dataset was asked for (None: no fields, the plain ``(image, label)``);
+    KeyError for a field the archive lacks, ValueError for a role its kind cannot take."""
+    if fields is None:
+        return None
+    roles = dict(fields) if isinstance(fields, Mapping) else {name: "value" for name in fields}
+    by_name = {spec.name: spec for spec in specs}
+    for name, role in roles.items():
+        if name not in by_name:
+            there = ", ".join(by_name) or "none"
+            raise KeyError(f"the archive has no field {name!r} (its fields: {there})")
+        spec, kind = by_name[name], str(role).split(":", 1)[0]
+        if kind not in ROLES:
+            raise ValueError(f"field {name!r}: role must be one of {ROLES} (boxes as boxes:XYXY), got {role!r}")
+        if kind == "boxes" and (spec.kind != "array" or tuple(spec.shape or ())[1:] != (4,)
+                                or role.split(":", 1)[-1].upper() not in BOX_FORMATS):
+            raise ValueError(f"field {name!r} ({spec.describe()}): boxes are an [N,4] array field and a format "
+                             f"of {BOX_FORMATS}, as boxes:XYXY; got {role!r}")
+        if kind == "mask" and not (spec.kind == "image" or (spec.kind == "array" and len(spec.shape or ()) in (2, 3))):
+            raise ValueError(f"field {name!r} ({spec.describe()}): a mask is an image field or a 2-D or 3-D array")
+        if kind == "image" and spec.kind != "image":
+            raise ValueError(f"field {name!r} ({spec.describe()}): only an image field is an image")
+        if kind != "value" and output != "tensor":
+            raise ValueError(f"field {name!r}: tv_tensors roles need output='tensor', got output={output!r}")
+    return roles
+
+
+def uses_tv_tensors(roles: Optional[Dict[str, str]]) -> bool:
+    return bool(roles) and any(role != "value" for role in roles.values())  # type: ignore[union-attr]
+
+
+def field_value(spec: FieldSpec, role: str, value: Any, output: str, canvas: Tuple[int, int]) -> Any:
+    """A field's decoded value (``FieldSpec.decode``) in the form its role asks for; ValueError or
+    codecs.DecodeError when it cannot take it (the caller names the sample)."""
+    kind = role.split(":", 1)[0]
+    if kind == "value":
+        if spec.kind == "image":
+            return image_output(value, output)
+        return torch.from_numpy(value) if spec.kind == "array" else value
+    from torchvision import tv_tensors
+
+    if kind == "boxes":
+        return tv_tensors.BoundingBoxes(torch.from_numpy(value), format=role.split(":", 1)[1].upper(),
+                                        canvas_size=canvas)
+    if kind == "mask":
+        if spec.kind == "image":
+            pixels = policy.decode(value, 1)
+            return tv_tensors.Mask(torch.from_numpy(np.array(pixels[:, :, 0], copy=True)))
+        return tv_tensors.Mask(torch.from_numpy(value))
+    return tv_tensors.Image(image_output(value, "tensor"))
+
+
+def image_output(data: bytes, output: str) -> Any:
+    """An encoded image field's bytes as an RGB (or L) PIL image, uint8 HxWxC numpy or CxHxW tensor."""
+    image = codecs.open_image(data)
+    if output == "pil":
+        return codecs.to_8bit(image)
+    pixels = np.asarray(codecs.to_8bit(image))
+    pixels = pixels[:, :, None] if pixels.ndim == 2 else pixels
+    if output == "numpy":
+        return np.array(pixels, copy=True)
+    return torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1)))
+
+
+def collate(samples: List[Dict[str, Any]], lists: Sequence[str] = ()) -> Dict[str, Any]:
+    """A batch of sample dicts: the keys in ``lists`` (variable-length fields: boxes, points) as lists, labels
+    as an int64 tensor, other tensors stacked (a tv_tensor keeps its type; tensors of different shapes, as
+    images not resized to one size, are a ValueError naming the key), anything else (text, JSON) as a list.
+    ``PackedDataset.collate`` is this with the dataset's variable-length fields as ``lists``."""
+    batch: Dict[str, Any] = {}
+    for key in samples[0]:
+        values = [sample[key] for sample in samples]
+        first = values[0]
+        if key in lists or not isinstance(first, torch.Tensor):
+            batch[key] = torch.tensor(values, dtype=torch.int64) if key == "label" and all(
+                isinstance(v, int) for v in values) else values
+            continue
+        shapes = {tuple(v.shape) for v in values}
+        if len(shapes) > 1:
+            raise ValueError(f"the batch's {key!r} tensors have shapes {sorted(shapes)}: resize them to one "
+                             f"(a transform), or batch {key!r} as a list")
+        stacked = torch.stack([v.as_subclass(torch.Tensor) for v in values])
+        batch[key] = stacked if type(first) is torch.Tensor else _rewrap(first, stacked)
+    return batch
+
+
+def variable(roles: Mapping[str, str], specs: Sequence[FieldSpec]) -> List[str]:
+    """The fields of ``roles`` whose values vary in length from sample to sample (batched as lists)."""
+    by_name = {spec.name: spec for spec in specs}
+    return [name for name in roles if by_name[name].kind == "array" and not by_name[name].fixed]
+
+
+def _rewrap(like: torch.Tensor, stacked: torch.Tensor) -> torch.Tensor:
+    """``stacked`` as the tv_tensor type of ``like`` (an Image or Mask batch stays one)."""
+    from torchvision import tv_tensors
+
+    return tv_tensors.wrap(stacked, like=like)

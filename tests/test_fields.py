@@ -1,0 +1,424 @@
+"""Fields of a sample beyond its image and class: stored natively by every format that stores them, each
+value under its own CRC32, read only when asked, and given to torchvision's v2 transforms with the image."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import packed_formats as pf
+from packed_formats import sample_fields
+from packed_formats.backends import memmap
+from packed_formats.fields import FieldSpec, FieldValueError
+from packed_formats.manifest import FIELDS_VERSION, PLAIN_VERSION, ArchiveManifest
+
+FIELD_FORMATS = ("zip", "lmdb", "memmap")  # the formats whose writers store fields
+FIELDS = ["mask=image", "boxes=array:float32[N,4]", "depth=array:float16[6,5]", "points=array:int32[N,2]",
+          "caption=text", "meta=json", "raw=bytes"]
+SHAPE = (24, 32, 3)
+
+
+def values_of(i: int, rng: np.random.Generator) -> dict:
+    mask = np.zeros(SHAPE[:2], np.uint8)
+    mask[2 + i % 5 : 12, 3:20] = 1 + i % 3
+    return {
+        "mask": mask,
+        "boxes": rng.random((i % 4, 4), dtype=np.float32) * 20,
+        "depth": rng.random((6, 5)).astype(np.float16),
+        "points": rng.integers(-5, 5, (i % 3, 2), dtype=np.int32),
+        "caption": f"sample {i}: é, 猫, \n\"quoted\"",
+        "meta": {"i": i, "tags": ["a", None, True], "score": 0.25 * i},
+        "raw": bytes(range(i % 7)),
+    }
+
+
+def image_of(i: int) -> np.ndarray:
+    pixels = np.zeros(SHAPE, np.uint8)
+    pixels[..., 0] = (np.arange(SHAPE[1]) * 7 + i) % 256
+    pixels[..., 1] = (np.arange(SHAPE[0])[:, None] * 5) % 256
+    return pixels
+
+
+def write(path, fmt: str, mode: str, count: int = 9, fields=FIELDS, seed: int = 0) -> list:
+    rng = np.random.default_rng(seed)
+    written = []
+    with pf.open_writer(path, format=fmt, mode=mode, shape=SHAPE, classes=["a", "b", "c"], fields=fields) as writer:
+        for i in range(count):
+            values = values_of(i, rng)
+            writer.add(image_of(i), i % 3, key=f"k/{i}", fields=values)
+            written.append(values)
+    return written
+
+
+def assert_value(name: str, got, want) -> None:
+    if name == "mask":
+        assert np.array_equal(np.asarray(Image.open(io.BytesIO(got))), want)
+    elif isinstance(want, np.ndarray):
+        assert got.dtype == want.dtype and got.shape == want.shape and np.array_equal(got, want), name
+    else:
+        assert got == want, name
+
+
+# ---- the declaration --------------------------------------------------------------------------------------
+def test_a_field_is_declared_as_name_and_kind_and_reads_back_as_declared():
+    for text in FIELDS:
+        spec = FieldSpec.parse(text)
+        assert spec.describe() == text
+        assert FieldSpec.from_json(json.loads(json.dumps(spec.to_json()))) == spec
+    assert FieldSpec.parse("boxes=array:float32[N,4]").shape == (None, 4)
+    assert FieldSpec.parse("depth=array:float16[6,5]").fixed and not FieldSpec.parse("b=array:uint8[N]").fixed
+
+
+@pytest.mark.parametrize("text", [
+    "image=text", "label=json", "9lives=text", "a-b=text", "x" * 65 + "=text", "mask=picture", "mask",
+    "boxes=array:float31[N,4]", "boxes=array:float32[4,N]", "boxes=array:float32[0,4]", "boxes=array:float32[]",
+    "boxes=array:float32[-1,4]",
+])
+def test_a_field_that_cannot_be_declared_is_refused_by_name(text):
+    with pytest.raises(FieldValueError):
+        FieldSpec.parse(text)
+
+
+@pytest.mark.parametrize("data", [
+    [{"name": "a", "kind": "text", "extra": 1}], [{"name": "a", "kind": "array"}], [{"name": "a"}],
+    [{"name": "a", "kind": "text"}, {"name": "a", "kind": "json"}], {"name": "a"}, [[1]],
+    [{"name": "a", "kind": "array", "dtype": "float32", "shape": "N,4"}],
+])
+def test_a_manifest_declaring_fields_it_cannot_have_is_refused(data):
+    text = json.dumps({"format": "zip", "mode": "raw", "count": 0, "classes": [], "format_version": 1,
+                       "fields": data})
+    with pytest.raises(ValueError):
+        ArchiveManifest.from_json(text)
+
+
+# ---- storing and reading ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["raw", "encoded"])
+@pytest.mark.parametrize("fmt", FIELD_FORMATS)
+def test_every_kind_of_field_reads_back_exactly_in_every_format(tmp_path, fmt, mode):
+    path = tmp_path / f"a.{fmt}"
+    written = write(path, fmt, mode)
+    with pf.open_archive(path) as reader:
+        assert reader.manifest.format_version == FIELDS_VERSION
+        assert [spec.describe() for spec in reader.fields] == FIELDS
+        for i, values in enumerate(written):
+            for name, want in values.items():
+                assert_value(name, reader.read_field(i, name), want)
+            assert reader.read_field_bytes(i, "caption") == values["caption"].encode()
+        if mode == "raw":
+            assert np.array_equal(reader.read_many([0, 8, 3]), np.stack([image_of(0), image_of(8), image_of(3)]))
+    assert pf.verify_archive(path, decode=True).ok
+
+
+@pytest.mark.parametrize("fmt", FIELD_FORMATS)
+def test_an_archive_without_fields_is_written_as_before(tmp_path, fmt):
+    path = tmp_path / f"a.{fmt}"
+    with pf.open_writer(path, format=fmt, mode="raw", shape=SHAPE, classes=["a"]) as writer:
+        writer.add(image_of(0), 0)
+    with pf.open_archive(path) as reader:
+        assert reader.manifest.format_version == PLAIN_VERSION and reader.fields == ()
+        assert "fields" not in json.loads(reader.manifest.to_json())
+        assert not [name for name in reader.index.arrays() if name.startswith("field.")]
+
+
+def test_a_format_that_stores_no_fields_yet_says_which_do(tmp_path):
+    with pytest.raises(ValueError, match="zip, lmdb, memmap"):
+        pf.open_writer(tmp_path / "a.h5", format="hdf5", mode="raw", shape=SHAPE, fields=["caption=text"])
+    assert not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("changes, problem", [
+    ({"n": None}, "field 'n' has no value"),
+    ({"other": 1}, "not declared"),
+    ({"caption": 3}, "'caption' \\(text\\): a str"),
+    ({"n": [[1, 2]]}, "shape \\(1, 2\\) is not \\[N\\]"),
+    ({"n": [1.5]}, "float64 values do not fit int16"),
+    ({"meta": float("nan")}, "'meta' \\(json\\)"),
+    ({"meta": {"a": object()}}, "'meta' \\(json\\)"),
+    ({"picture": b"not an image"}, "no JPEG or PNG"),
+])
+@pytest.mark.parametrize("fmt", FIELD_FORMATS)
+def test_a_value_a_field_cannot_store_is_refused_by_name_and_nothing_of_its_sample_is_written(
+        tmp_path, fmt, changes, problem):
+    fields = ["caption=text", "n=array:int16[N]", "meta=json", "picture=image"]
+    full = {"caption": "ok", "n": [1, 2], "meta": {"a": 1}, "picture": np.zeros((4, 4), np.uint8)}
+    path = tmp_path / f"a.{fmt}"
+    with pf.open_writer(path, format=fmt, mode="raw", shape=SHAPE, fields=fields) as writer:
+        writer.add(image_of(0), 0, fields=full)
+        with pytest.raises(pf.InvalidSampleError, match=problem) as caught:
+            writer.add(image_of(1), 0, key="bad/one", fields=dict(full, **changes))
+        assert caught.value.index == 1 and caught.value.key == "bad/one"
+        writer.add(image_of(2), 0, key="next", fields=dict(full, caption="after"))
+    with pf.open_archive(path) as reader:
+        assert len(reader) == 2 and reader.key(1) == "next" and reader.read_field(1, "caption") == "after"
+        assert np.array_equal(reader.read(1), image_of(2))
+    assert pf.verify_archive(path).ok
+
+
+# ---- damage -----------------------------------------------------------------------------------------------
+def flip_field_byte(path, fmt: str, reader_index, name: str, i: int) -> None:
+    """Flip one byte of field ``name``'s value of sample i where the format keeps it."""
+    if fmt == "memmap":
+        file = os.path.join(path, memmap.field_file_name(name))
+        data = np.load(file, mmap_mode="r")
+        at = int(data.offset) + int(reader_index.fields[f"field.{name}.offsets"][i])
+    elif fmt == "zip":
+        file, at = str(path), int(reader_index.fields[f"field.{name}.positions"][i])
+    else:  # lmdb: the value's bytes, found in the file
+        file = str(path)
+        with pf.open_archive(path) as reader:
+            value = reader.read_field_bytes(i, name)
+        with open(file, "rb") as raw:
+            at = raw.read().find(value)
+        assert at > 0
+    with open(file, "r+b") as raw:
+        raw.seek(at)
+        byte = raw.read(1)
+        raw.seek(at)
+        raw.write(bytes([byte[0] ^ 0x40]))
+
+
+@pytest.mark.parametrize("fmt", FIELD_FORMATS)
+def test_a_damaged_field_value_is_a_named_error_and_verify_finds_it(tmp_path, fmt):
+    path = tmp_path / f"a.{fmt}"
+    write(path, fmt, "encoded")
+    with pf.open_archive(path) as reader:
+        index = reader.index
+        flip_field_byte(path, fmt, index, "caption", 4)
+    with pf.open_archive(path) as reader:
+        with pytest.raises(pf.CorruptSampleError, match="field 'caption': checksum mismatch") as caught:
+            reader.read_field(4, "caption")
+        assert caught.value.index == 4 and caught.value.key == "k/4"
+        assert reader.read_field(3, "caption") == values_of(3, np.random.default_rng(0))["caption"]
+        reader.read(4)  # the image is not the damaged part
+    report = pf.verify_archive(path)
+    assert not report.ok and report.bad_count == 1 and report.bad[0].index == 4 and "caption" in report.bad[0].problem
+    dataset = pf.PackedDataset(path, output="tensor")  # asks for no field: reads none
+    assert [dataset[i][1] for i in range(len(dataset))] == [i % 3 for i in range(9)]
+
+
+def test_an_index_resealed_without_a_fields_checksums_is_refused(tmp_path):
+    path = tmp_path / "a.memmap"
+    write(path, "memmap", "raw", count=3)
+    name = os.path.join(path, memmap.MANIFEST)
+    with open(name) as file:
+        manifest = ArchiveManifest.from_json(file.read())
+    os.unlink(os.path.join(path, "field.caption.crc32.npy"))
+    kept = tuple((k, v) for k, v in manifest.index_crc32 if k != "field.caption.crc32")
+    with open(name, "w") as file:
+        file.write(dataclasses.replace(manifest, index_crc32=kept).to_json())
+    with pytest.raises(pf.CorruptArchiveError, match="field.caption.crc32"):
+        pf.open_archive(path)
+
+
+def test_stored_bytes_that_are_no_value_of_their_field_are_refused():
+    with pytest.raises(FieldValueError, match="no whole number"):
+        FieldSpec.parse("b=array:float32[N,4]").decode(b"\0" * 20)
+    with pytest.raises(FieldValueError, match="expected 60"):
+        FieldSpec.parse("d=array:float16[6,5]").decode(b"\0" * 58)
+    with pytest.raises(FieldValueError):
+        FieldSpec.parse("t=text").decode(b"\xff\xfe")
+    with pytest.raises(FieldValueError):
+        FieldSpec.parse("j=json").decode(b"{")
+    with pytest.raises(FieldValueError):
+        FieldSpec.parse("j=json").decode(b"NaN")
+    with pytest.raises(FieldValueError):
+        FieldSpec.parse("m=image").decode(b"GIF89a")
+
+
+# ---- the dataset ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", FIELD_FORMATS)
+def test_the_dataset_returns_the_fields_asked_for_as_a_dict(tmp_path, fmt):
+    path = tmp_path / f"a.{fmt}"
+    written = write(path, fmt, "encoded")
+    dataset = pf.PackedDataset(path, output="tensor", fields=["mask", "boxes", "caption", "meta"])
+    sample = dataset[5]
+    assert set(sample) == {"image", "label", "mask", "boxes", "caption", "meta"}
+    assert sample["label"] == 2 and sample["image"].shape == (3, 24, 32)
+    assert torch.equal(sample["mask"][0], torch.from_numpy(written[5]["mask"]))
+    assert torch.equal(sample["boxes"], torch.from_numpy(written[5]["boxes"]))
+    assert sample["caption"] == written[5]["caption"] and sample["meta"] == written[5]["meta"]
+    with pytest.raises(KeyError, match="no field 'nope'"):
+        pf.PackedDataset(path, fields=["nope"])
+    with pytest.raises(ValueError, match="boxes"):
+        pf.PackedDataset(path, output="tensor", fields={"caption": "boxes:XYXY"})
+    with pytest.raises(ValueError, match="output='tensor'"):
+        pf.PackedDataset(path, output="pil", fields={"mask": "mask"})
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_v2_transforms_move_masks_and_boxes_with_the_image_in_workers(tmp_path, method):
+    from torchvision.transforms import v2
+
+    path = tmp_path / "a.zip"
+    rng = np.random.default_rng(1)
+    with pf.open_writer(path, format="zip", mode="encoded", classes=["a"], encoding="png",
+                        fields=["mask=image", "boxes=array:float32[N,4]"]) as writer:
+        for i in range(8):
+            code = rng.integers(0, 200, SHAPE[:2], dtype=np.uint8)
+            pixels = np.stack([code, code // 2, np.full_like(code, i)], axis=-1)  # lossless PNG: exact pixels
+            boxes = np.array([[2, 3, 10, 12], [0, 0, 31, 23]], np.float32)
+            writer.add(pixels, 0, fields={"mask": code, "boxes": boxes})
+    transform = v2.Compose([v2.RandomCrop((16, 16)), v2.RandomHorizontalFlip(), v2.RandomVerticalFlip()])
+    dataset = pf.PackedDataset(path, output="tensor", transform=transform,
+                               fields={"mask": "mask", "boxes": "boxes:XYXY"})
+    loader = torch.utils.data.DataLoader(dataset, batch_size=4, num_workers=2, multiprocessing_context=method,
+                                         collate_fn=dataset.collate)
+    batches = list(loader)
+    assert len(batches) == 2
+    for batch in batches:
+        assert batch["image"].shape == (4, 3, 16, 16) and batch["mask"].shape == (4, 16, 16)
+        assert torch.equal(batch["image"][:, 0], batch["mask"].as_subclass(torch.Tensor))  # cropped and flipped alike
+        assert batch["label"].tolist() == [0] * 4
+        for boxes in batch["boxes"]:
+            assert type(boxes).__name__ == "BoundingBoxes" and tuple(boxes.canvas_size) == (16, 16)
+            assert boxes.shape == (2, 4) and float(boxes.max()) <= 16
+
+
+def test_collate_lists_variable_fields_stacks_the_rest_and_names_what_cannot_stack():
+    samples = [{"image": torch.zeros(3, 4, 4), "label": i, "boxes": torch.zeros(2, 4), "caption": f"c{i}"}
+               for i in range(3)]
+    batch = sample_fields.collate(samples, lists=("boxes",))
+    assert batch["image"].shape == (3, 3, 4, 4) and batch["label"].tolist() == [0, 1, 2]
+    assert isinstance(batch["boxes"], list) and len(batch["boxes"]) == 3 and batch["caption"] == ["c0", "c1", "c2"]
+    samples[1]["image"] = torch.zeros(3, 5, 4)
+    with pytest.raises(ValueError, match="'image' tensors have shapes"):
+        sample_fields.collate(samples, lists=("boxes",))
+
+
+# ---- conversion -------------------------------------------------------------------------------------------
+def png(pixels: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "PNG")
+    return out.getvalue()
+
+
+def npy(array: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    np.save(out, array)
+    return out.getvalue()
+
+
+def shard_members(i: int) -> dict:
+    """The members of webdataset sample i: a PNG image, its class, a segmentation mask, a caption, JSON, boxes."""
+    mask = np.zeros((20, 30), np.uint8)
+    mask[i : i + 5, 3:9] = 1 + i % 2
+    return {"png": png(image_of(i)[:20, :30]), "cls": str(i % 2).encode(), "seg.png": png(mask),
+            "txt": f"caption {i}".encode(), "json": json.dumps({"i": i}).encode(),
+            "boxes.npy": npy(np.full((i % 3, 4), i, np.float32))}
+
+
+def write_shard(path, count: int = 6, change=None, compressed: bool = False) -> str:
+    import tarfile
+
+    with tarfile.open(path, "w:gz" if compressed else "w") as tar:
+        for i in range(count):
+            members = shard_members(i)
+            if change is not None:
+                change(i, members)
+            for extension, data in members.items():
+                info = tarfile.TarInfo(f"s{i:04d}.{extension}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return str(path)
+
+
+@pytest.mark.parametrize("fmt", FIELD_FORMATS)
+def test_webdataset_members_become_fields_declared_or_found(tmp_path, fmt):
+    shard = write_shard(tmp_path / "shard-000.tar")
+    dst = tmp_path / f"out.{fmt}"
+    pf.convert(shard, dst, fields=["auto", "boxes=array:float32[N,4]"], workers=2, quiet=True)
+    with pf.open_archive(dst) as reader:
+        assert [s.describe() for s in reader.fields] == ["boxes=array:float32[N,4]", "json=json", "seg=image",
+                                                         "txt=text"]
+        for i in range(6):
+            members = shard_members(i)
+            assert reader.read(i) == members["png"]  # the image as it was
+            assert reader.read_field_bytes(i, "seg") == members["seg.png"]
+            assert reader.read_field(i, "txt") == f"caption {i}" and reader.read_field(i, "json") == {"i": i}
+            assert np.array_equal(reader.read_field(i, "boxes"), np.full((i % 3, 4), i, np.float32))
+    declared = tmp_path / f"declared.{fmt}"
+    pf.convert(shard, declared, fields=["seg=image", "txt=text"], quiet=True)
+    with pf.open_archive(declared) as reader:
+        assert [s.name for s in reader.fields] == ["seg", "txt"]
+    plain = tmp_path / f"plain.{fmt}"
+    pf.convert(shard, plain, quiet=True)  # no --field: as before, no field
+    with pf.open_archive(plain) as reader:
+        assert reader.fields == () and len(reader) == 6
+
+
+@pytest.mark.parametrize("change, problem", [
+    (lambda i, m: m.update({"json": b"{not json"}) if i == 3 else None, "s0003.json.*'json' \\(json\\)"),
+    (lambda i, m: m.pop("seg.png") if i == 3 else None, "sample 's0003' has no member for field 'seg'"),
+    (lambda i, m: m.update({"boxes.npy": npy(np.zeros((2, 3), np.float32))}) if i == 3 else None,
+     "s0003.boxes.npy.*shape \\(2, 3\\) is not \\[Nx4\\]"),
+    (lambda i, m: m.update({"txt": b"\xff\xfe"}) if i == 3 else None, "s0003.txt.*'txt' \\(text\\)"),
+])
+def test_a_member_that_is_no_value_of_its_field_is_named_or_skipped(tmp_path, change, problem):
+    shard = write_shard(tmp_path / "shard-000.tar", change=change)
+    fields = ["seg=image", "txt=text", "json=json", "boxes=array:float32[N,4]"]
+    with pytest.raises(pf.PackedFormatError, match=problem):
+        pf.convert(shard, tmp_path / "out.zip", fields=fields, workers=1, quiet=True)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("out") or ".out" in n]
+    pf.convert(shard, tmp_path / "out.zip", fields=fields, workers=1, quiet=True, on_error="skip")
+    with pf.open_archive(tmp_path / "out.zip") as reader:
+        assert len(reader) == 5 and "s0003" not in " ".join(reader.key(i) for i in range(5))
+        assert [reader.read_field(i, "txt") for i in range(5)] == [f"caption {i}" for i in (0, 1, 2, 4, 5)]
+
+
+def test_fields_are_refused_where_they_cannot_be_packed_yet(tmp_path):
+    compressed = write_shard(tmp_path / "shard-000.tar.gz", compressed=True)
+    with pytest.raises(pf.InvalidSourceError, match="uncompressed"):
+        pf.convert(compressed, tmp_path / "a.zip", fields=["txt=text"], quiet=True)
+    shard = write_shard(tmp_path / "shard-001.tar")
+    with pytest.raises(ValueError, match="size"):
+        pf.convert(shard, tmp_path / "a.zip", fields=["seg=image"], mode="raw", size=8, quiet=True)
+    with pytest.raises(pf.InvalidSourceError, match="arrays: declare"):
+        pf.convert(shard, tmp_path / "a.zip", fields=["auto"], quiet=True)
+    folder = tmp_path / "folder" / "a"
+    folder.mkdir(parents=True)
+    Image.fromarray(image_of(0)).save(folder / "x.png")
+    with pytest.raises(pf.InvalidSourceError, match="fields are read from"):
+        pf.convert(tmp_path / "folder", tmp_path / "b.zip", fields=["txt=text"], quiet=True)
+    assert sorted(os.listdir(tmp_path)) == ["folder", "shard-000.tar.gz", "shard-001.tar"]
+
+
+def test_an_archive_converted_to_another_format_keeps_its_fields(tmp_path):
+    source = tmp_path / "a.lmdb"
+    written = write(source, "lmdb", "encoded")
+    pf.convert(source, tmp_path / "b.memmap", quiet=True)
+    with pf.open_archive(tmp_path / "b.memmap") as reader:
+        assert [s.describe() for s in reader.fields] == FIELDS
+        for i, values in enumerate(written):
+            for name, want in values.items():
+                assert_value(name, reader.read_field(i, name), want)
+    pf.convert(source, tmp_path / "c.zip", fields=["caption=text"], quiet=True)
+    with pf.open_archive(tmp_path / "c.zip") as reader:
+        assert [s.name for s in reader.fields] == ["caption"]
+    with pytest.raises(ValueError, match="has fields"):
+        pf.convert(source, tmp_path / "d.zip", mode="raw", size=8, quiet=True)
+
+
+def test_the_command_line_packs_fields_and_info_lists_them(tmp_path):
+    import subprocess
+    import sys
+
+    shard = write_shard(tmp_path / "shard-000.tar")
+    run = [sys.executable, "-m", "packed_formats"]
+    converted = subprocess.run(run + ["convert", shard, str(tmp_path / "a.zip"), "--field", "seg=image",
+                                      "--field", "boxes=array:float32[N,4]", "--quiet"], capture_output=True, text=True)
+    assert converted.returncode == 0, converted.stderr
+    info = subprocess.run(run + ["info", str(tmp_path / "a.zip")], capture_output=True, text=True)
+    assert "fields      seg=image, boxes=array:float32[N,4]" in info.stdout
+    facts = json.loads(subprocess.run(run + ["info", "--json", str(tmp_path / "a.zip")], capture_output=True,
+                                      text=True).stdout)
+    assert facts["fields"] == ["seg=image", "boxes=array:float32[N,4]"]
+    bad = subprocess.run(run + ["convert", shard, str(tmp_path / "b.zip"), "--field", "seg=picture"],
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "kind must be one of" in bad.stderr and "Traceback" not in bad.stderr
