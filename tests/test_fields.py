@@ -252,7 +252,8 @@ def test_the_dataset_returns_the_fields_asked_for_as_a_dict(tmp_path, fmt):
         pf.PackedDataset(path, output="pil", fields={"mask": "mask"})
 
 
-@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+@pytest.mark.parametrize("method", ["fork", pytest.param("spawn", marks=pytest.mark.slow),
+                                    pytest.param("forkserver", marks=pytest.mark.slow)])
 def test_v2_transforms_move_masks_and_boxes_with_the_image_in_workers(tmp_path, method):
     from torchvision.transforms import v2
 
@@ -422,3 +423,90 @@ def test_the_command_line_packs_fields_and_info_lists_them(tmp_path):
     bad = subprocess.run(run + ["convert", shard, str(tmp_path / "b.zip"), "--field", "seg=picture"],
                          capture_output=True, text=True)
     assert bad.returncode != 0 and "kind must be one of" in bad.stderr and "Traceback" not in bad.stderr
+
+
+# ---- fields from list files and the Hub's tables ----------------------------------------------------------
+def write_list_dataset(root, count: int = 5) -> list:
+    """Images, masks and .npy boxes in ``root/img``, and the rows naming them (with a caption and JSON)."""
+    os.makedirs(root / "img", exist_ok=True)
+    rows = []
+    for i in range(count):
+        Image.fromarray(image_of(i)).save(root / "img" / f"{i}.png")
+        Image.fromarray(np.full((8, 8), i, np.uint8)).save(root / "img" / f"{i}.mask.png")
+        np.save(root / "img" / f"{i}.boxes.npy", np.full((i % 3, 4), i, np.float32))
+        rows.append({"path": f"img/{i}.png", "label": i % 2, "mask": f"img/{i}.mask.png", "caption": f"cap, {i}",
+                     "meta": {"i": i, "ok": True}, "boxes": f"img/{i}.boxes.npy"})
+    return rows
+
+
+def test_a_list_names_each_rows_fields_in_csv_json_and_json_lines(tmp_path):
+    import csv
+
+    rows = write_list_dataset(tmp_path)
+    (tmp_path / "list.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    (tmp_path / "list.json").write_text(json.dumps(rows))
+    with open(tmp_path / "list.csv", "w", newline="") as file:
+        writer = csv.writer(file)
+        writer.writerow(["path", "label", "mask", "caption", "meta", "boxes"])
+        for r in rows:
+            writer.writerow([r["path"], r["label"], r["mask"], r["caption"], json.dumps(r["meta"]), r["boxes"]])
+    for name, fields in [("list.jsonl", ["auto", "boxes=array:float32[N,4]"]),
+                         ("list.json", ["mask=image", "caption=text", "meta=json", "boxes=array:float32[N,4]"]),
+                         ("list.csv", ["auto", "meta=json", "boxes=array:float32[N,4]"])]:
+        out = tmp_path / f"{name}.zip"
+        pf.convert(tmp_path / name, out, fields=fields, quiet=True)
+        with pf.open_archive(out) as reader:
+            assert {s.describe() for s in reader.fields} == {"mask=image", "caption=text", "meta=json",
+                                                             "boxes=array:float32[N,4]"}, name
+            for i, row in enumerate(rows):
+                assert reader.read_field(i, "caption") == row["caption"] and reader.read_field(i, "meta") == row["meta"]
+                assert reader.read_field_bytes(i, "mask") == (tmp_path / row["mask"]).read_bytes()
+                assert np.array_equal(reader.read_field(i, "boxes"), np.full((i % 3, 4), i, np.float32))
+    with pytest.raises(pf.InvalidSourceError, match="no column 'depth'"):
+        pf.convert(tmp_path / "list.csv", tmp_path / "x.zip", fields=["depth=text"], quiet=True)
+    with open(tmp_path / "bad.csv", "w", newline="") as file:
+        writer = csv.writer(file)
+        writer.writerow(["path", "label", "meta"])
+        for i, r in enumerate(rows):
+            writer.writerow([r["path"], r["label"], "{broken" if i == 2 else json.dumps(r["meta"])])
+    with pytest.raises(pf.CorruptSampleError, match="column 'meta'.*'meta' \\(json\\)"):
+        pf.convert(tmp_path / "bad.csv", tmp_path / "x.zip", fields=["meta=json"], workers=1, quiet=True)
+
+
+@pytest.mark.parametrize("layout", ["parquet", "arrow"])
+def test_the_hubs_columns_become_fields(tmp_path, layout):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    from .test_hub_sources import image_table
+
+    count = 7
+    rows = [(png(image_of(i)), f"{i}.png", i % 3) for i in range(count)]
+    struct = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    extra = {
+        "mask": pa.array([{"bytes": png(np.full((6, 6), i, np.uint8)), "path": None} for i in range(count)], struct),
+        "caption": pa.array([f"row {i}" for i in range(count)]),
+        "boxes": pa.array([[[float(i)] * 4] * (i % 3) for i in range(count)], pa.list_(pa.list_(pa.float32()))),
+        "score": pa.array([0.5 * i for i in range(count)]),
+    }
+    table = image_table(rows, extra=extra)
+    src = tmp_path / ("data.parquet" if layout == "parquet" else "data.arrow")
+    if layout == "parquet":
+        pq.write_table(table, src, row_group_size=3)
+    else:
+        with pa.OSFile(str(src), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+            for chunk in table.to_batches(max_chunksize=3):
+                writer.write_batch(chunk)
+    out = tmp_path / "out.lmdb"
+    pf.convert(src, out, fields=["auto", "boxes=array:float32[N,4]"], workers=2, quiet=True)
+    with pf.open_archive(out) as reader:
+        assert [s.describe() for s in reader.fields] == ["boxes=array:float32[N,4]", "mask=image", "caption=text",
+                                                         "score=json"]
+        for i in range(count):
+            assert np.array_equal(reader.read_field(i, "boxes"), np.full((i % 3, 4), i, np.float32))
+            assert np.array_equal(np.asarray(Image.open(io.BytesIO(reader.read_field(i, "mask")))),
+                                  np.full((6, 6), i, np.uint8))
+            assert reader.read_field(i, "caption") == f"row {i}" and reader.read_field(i, "score") == 0.5 * i
+    with pytest.raises(pf.InvalidSourceError, match="no column 'depth'"):
+        pf.convert(src, tmp_path / "x.zip", fields=["depth=text"], quiet=True)
+    with pytest.raises(pf.CorruptSampleError, match="column 'boxes'.*shape"):
+        pf.convert(src, tmp_path / "y.zip", fields=["boxes=array:float32[N,3]"], workers=1, quiet=True)

@@ -19,6 +19,14 @@ or the features each file carries), else from the label values.  Keys are the
 row numbers in the split (``00000000``...).  An image without bytes is read
 from its ``path`` only when that is a relative path inside the dataset's folder.
 
+With ``fields`` other columns are fields of the archive, by their names: an
+Image struct or binary column as an image field (a Sequence of them is not
+one), a string column as text, any other column as JSON (lists, numbers,
+structs), or as declared (``--field boxes=array:float32[N,4]`` reads a list
+column as that array).  ``("auto",)`` takes every other column.  A null
+cell, or one that is no value of its field, is an error naming the file, row
+and column (or the row is left out with on_error="skip").
+
 Random access: an index of row groups (parquet) or record batches (arrow) is
 built once; each process reads the images of one slice of a row group at a
 time (at most ``_BATCH_BYTES``), so memory stays bounded whatever the shard size.
@@ -36,6 +44,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Ty
 import numpy as np
 
 from ..errors import ArchiveNotFoundError, CorruptArchiveError, CorruptSampleError, InvalidSourceError
+from ..fields import RESERVED, FieldSpec, FieldValueError
 from .base import Source, SourceOptions, UnsafeName, classes_and_labels, member_path
 
 _BATCH_BYTES = 64 << 20  # at most about this much of a row group's images is held at once
@@ -104,6 +113,7 @@ class TableSource(Source):
     """Rows of Parquet or Arrow files: an image column and a label column, read by row group."""
 
     random_access = True
+    reads_fields = True
 
     def __init__(self, path: str, root: str, files: Sequence[str], group_rows: Sequence[Sequence[int]],
                  image: str, rows: np.ndarray, classes, labels, failed: Sequence[str], layout: str) -> None:
@@ -121,7 +131,8 @@ class TableSource(Source):
         self.file_start = np.concatenate([[0], np.cumsum(file_rows, dtype=np.int64)])[:-1].astype(np.int64)
         self._pid = -1
         self._open: Dict[int, Any] = {}
-        self._window: Optional[Tuple[int, int, int, Any, Any]] = None  # group, first row, rows, bytes, paths
+        # group, first row, rows, bytes, paths, and each field's column
+        self._window: Optional[Tuple[int, int, int, Any, Any, List[Any]]] = None
         self._iterator: Optional[Tuple[int, Iterator[Any]]] = None
 
     def __getstate__(self) -> Dict[str, Any]:
@@ -147,7 +158,7 @@ class TableSource(Source):
 
         g, local = self._where(i)
         try:
-            first, _, data, paths = self._rows_of(g, local)
+            first, _, data, paths, _ = self._rows_of(g, local)
             k = local - first
             value = data[k].as_py()
             path = paths[k].as_py() if paths is not None else None
@@ -158,6 +169,44 @@ class TableSource(Source):
         if value:
             return bytes(value)
         return self._from_path(i, path)
+
+    def load_fields(self, i: int) -> Dict[str, Any]:
+        import pyarrow as pa
+
+        g, local = self._where(i)
+        try:
+            first, _, _, _, columns = self._rows_of(g, local)
+            cells = [column[local - first] for column in columns]
+        except (pa.ArrowException, OSError, StopIteration) as exc:
+            self._window = self._iterator = None
+            raise CorruptSampleError(self.location(i), f"pyarrow cannot read its row group ({exc})", index=i,
+                                     key=self.key(i), hint="the file is damaged: download it again") from None
+        out = {}
+        for spec, cell in zip(self.fields, cells):
+            where = f"{self.location(i)}, column {spec.name!r}"
+            try:
+                out[spec.name] = self._field_value(i, spec, cell)
+            except FieldValueError as exc:
+                raise CorruptSampleError(where, str(exc), index=i, key=self.key(i)) from None
+        return out
+
+    def _field_value(self, i: int, spec: FieldSpec, cell: Any) -> Any:
+        """A field's value from its cell (FieldValueError when it is none of its kind)."""
+        import pyarrow as pa
+
+        if not cell.is_valid:
+            raise FieldValueError(f"field {spec.name!r} ({spec.kind}): the cell is null")
+        if spec.kind == "image" and pa.types.is_struct(cell.type):
+            found = cell.as_py()
+            value = found.get("bytes") or self._from_path(i, found.get("path"))
+        elif spec.kind == "array":
+            value = np.asarray(cell.as_py(), dtype=spec.dtype)
+        else:
+            value = cell.as_py()
+            if spec.kind == "bytes" and isinstance(value, str):
+                value = value.encode("utf-8")
+        spec.encode(value)
+        return value
 
     def _from_path(self, i: int, path: Any) -> bytes:
         """The image an image struct names by path only: a file inside the dataset's folder."""
@@ -192,17 +241,23 @@ class TableSource(Source):
             self._open = {f: self._open_file(self.files[f])}
         return self._open[f]
 
-    def _rows_of(self, g: int, local: int) -> Tuple[int, int, Any, Any]:
-        """(first row, row count, bytes array, paths array or None) of a slice of group g holding ``local``."""
+    def _rows_of(self, g: int, local: int) -> Tuple[int, int, Any, Any, List[Any]]:
+        """(first row, row count, bytes array, paths array or None, field columns) of a slice of group g
+        holding ``local``."""
         window = self._window
         if window is not None and window[0] == g and window[1] <= local < window[1] + window[2]:
             return window[1:]
-        first, count, column = self._read(g, local)
-        data, paths = _image_arrays(column)
-        self._window = (g, first, count, data, paths)
-        return first, count, data, paths
+        first, count, columns = self._read(g, local)
+        data, paths = _image_arrays(columns[0])
+        self._window = (g, first, count, data, paths, columns[1:])
+        return first, count, data, paths, columns[1:]
 
-    def _read(self, g: int, local: int) -> Tuple[int, int, Any]:
+    @property
+    def read_columns(self) -> List[str]:
+        """The columns a read takes: the image's, then each field's."""
+        return [self.image] + [spec.name for spec in self.fields]
+
+    def _read(self, g: int, local: int) -> Tuple[int, int, List[Any]]:
         raise NotImplementedError
 
     def _open_file(self, path: str) -> Tuple[Any, Any]:
@@ -218,15 +273,48 @@ class TableSource(Source):
     # ---- listing ------------------------------------------------------------------------------------
     @classmethod
     def _listed(cls: Type[_T], path: str, root: str, files: List[str], image: str, label: str, labels: List[List[Any]],
-                names: Optional[List[str]], options: SourceOptions, description: str) -> _T:
-        """The source of ``files`` (``labels``: each file's ``label`` column, an array per group)."""
+                names: Optional[List[str]], options: SourceOptions, description: str, schemas: List[Any]) -> _T:
+        """The source of ``files`` (``labels``: each file's ``label`` column, an array per group; ``schemas``:
+        each file's, whose other columns may be fields)."""
         import pyarrow as pa
 
         group_rows = [[len(g) for g in groups] for groups in labels]
         arrays = [c for groups in labels for g in groups for c in (g.chunks if isinstance(g, pa.ChunkedArray) else [g])]
         rows, numbers, failed, classes = _check_labels(files, group_rows, arrays, names, options.on_error)
         layout = f"{description}: images {image!r}, labels {label!r}"
-        return cls(path, root, files, group_rows, image, rows, classes, numbers, failed, layout)
+        source = cls(path, root, files, group_rows, image, rows, classes, numbers, failed, layout)
+        source.fields = _table_fields(files[0], schemas[0], options, image, label)
+        for file, schema in zip(files, schemas):
+            lacking = [spec.name for spec in source.fields if spec.name not in schema.names]
+            if lacking:
+                raise InvalidSourceError(file, f"has no column {lacking[0]!r} (its columns: {_columns(schema)})",
+                                         hint="every file of a split must have the same columns")
+        return source
+
+
+def _table_fields(path: str, schema: Any, options: SourceOptions, image: str, label: str) -> Tuple[FieldSpec, ...]:
+    """The fields to read: those declared (each a column), and with auto every other column."""
+    if not options.fields:
+        return ()
+    specs = list(options.declared_fields)
+    missing = [spec.name for spec in specs if spec.name not in schema.names or spec.name in (image, label)]
+    if missing:
+        raise InvalidSourceError(path, f"has no column {missing[0]!r} to read as a field besides its image and "
+                                       f"label", hint=f"its columns: {_columns(schema)}")
+    if options.auto_fields:
+        import pyarrow as pa
+
+        for name in schema.names:
+            if name in (image, label) or name in RESERVED or name in {spec.name for spec in specs}:
+                continue
+            kind = schema.field(name).type
+            if _is_image_type(kind):
+                specs.append(FieldSpec(name, "image"))
+            elif pa.types.is_string(kind) or pa.types.is_large_string(kind):
+                specs.append(FieldSpec(name, "text"))
+            else:
+                specs.append(FieldSpec(name, "json"))
+    return tuple(specs)
 
 
 def _check_columns(files: List[str], schemas: List[Any], image: str, label: str) -> None:
@@ -471,7 +559,8 @@ class ParquetSource(TableSource):
                                    for k in range(parquet.num_row_groups)])
             except (pa.ArrowException, OSError) as exc:
                 raise _arrow_error(file, exc) from None
-        return cls._listed(path, root, files, image, label, labels, features.names.get(label), options, description)
+        return cls._listed(path, root, files, image, label, labels, features.names.get(label), options, description,
+                           schemas)
 
     def _open_file(self, path: str) -> Any:
         import pyarrow.parquet as pq
@@ -483,7 +572,7 @@ class ParquetSource(TableSource):
             handle.close()
             raise
 
-    def _read(self, g: int, local: int) -> Tuple[int, int, Any]:
+    def _read(self, g: int, local: int) -> Tuple[int, int, List[Any]]:
         """The rows of group g holding row ``local``: the whole group when it is at most _BATCH_BYTES, else a
         batch of it read in order from the group's start (an iterator kept per process: rows asked for in
         order are read once)."""
@@ -491,13 +580,14 @@ class ParquetSource(TableSource):
         parquet = self._handle(f)[0]
         meta = parquet.metadata.row_group(k)
         if meta.total_byte_size <= _BATCH_BYTES:
-            column = parquet.read_row_group(k, columns=[self.image], use_threads=False).column(0)
-            return 0, len(column), column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+            table = parquet.read_row_group(k, columns=self.read_columns, use_threads=False)
+            columns = [c.chunk(0) if c.num_chunks == 1 else c.combine_chunks() for c in table.columns]
+            return 0, table.num_rows, columns
         window = self._window
         if self._iterator is None or self._iterator[0] != g or window is None or window[0] != g or local < window[1]:
             per_row = max(1, meta.total_byte_size // max(1, meta.num_rows))
             batch = int(max(1, min(meta.num_rows, _BATCH_BYTES // per_row)))
-            self._iterator = (g, parquet.iter_batches(batch_size=batch, row_groups=[k], columns=[self.image],
+            self._iterator = (g, parquet.iter_batches(batch_size=batch, row_groups=[k], columns=self.read_columns,
                                                       use_threads=False))
             first = 0
         else:
@@ -506,7 +596,7 @@ class ParquetSource(TableSource):
         while True:
             rows = next(iterator)
             if local < first + rows.num_rows:
-                return first, rows.num_rows, rows.column(0)
+                return first, rows.num_rows, list(rows.columns)
             first += rows.num_rows
 
 
@@ -649,14 +739,15 @@ class ArrowSource(TableSource):
         label = _label_column(files[0], schemas[0], features, options.label_key, image)
         _check_columns(files, schemas, image, label)
         labels = [[batch.column(label) for batch in found] for found in batches]
-        return cls._listed(path, root, files, image, label, labels, features.names.get(label), options, description)
+        return cls._listed(path, root, files, image, label, labels, features.names.get(label), options, description,
+                           schemas)
 
     def _open_file(self, path: str) -> Any:
         return _read_batches(path)[0], None
 
-    def _read(self, g: int, local: int) -> Tuple[int, int, Any]:
+    def _read(self, g: int, local: int) -> Tuple[int, int, List[Any]]:
         batch = self._handle(int(self.group_file[g]))[0][int(self.group_number[g])]
-        return 0, batch.num_rows, batch.column(self.image)
+        return 0, batch.num_rows, [batch.column(name) for name in self.read_columns]
 
 
 def _read_batches(path: str) -> Tuple[List[Any], Any]:
