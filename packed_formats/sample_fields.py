@@ -91,7 +91,7 @@ def image_output(data: bytes, output: str) -> Any:
     pixels = pixels[:, :, None] if pixels.ndim == 2 else pixels
     if output == "numpy":
         return np.array(pixels, copy=True)
-    return torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1)))
+    return torch.from_numpy(np.array(pixels.transpose(2, 0, 1)))  # a copy: the decoded array is read-only
 
 
 def collate(samples: List[Dict[str, Any]], lists: Sequence[str] = ()) -> Dict[str, Any]:

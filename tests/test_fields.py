@@ -19,7 +19,7 @@ from packed_formats.backends import memmap
 from packed_formats.fields import FieldSpec, FieldValueError
 from packed_formats.manifest import FIELDS_VERSION, PLAIN_VERSION, ArchiveManifest
 
-FIELD_FORMATS = ("zip", "lmdb", "memmap")  # the formats whose writers store fields
+FIELD_FORMATS = tuple(f for f in pf.PACKED_FORMATS if pf.backends.writer_class(f).stores_fields)  # all of ours
 FIELDS = ["mask=image", "boxes=array:float32[N,4]", "depth=array:float16[6,5]", "points=array:int32[N,2]",
           "caption=text", "meta=json", "raw=bytes"]
 SHAPE = (24, 32, 3)
@@ -127,10 +127,46 @@ def test_an_archive_without_fields_is_written_as_before(tmp_path, fmt):
         assert not [name for name in reader.index.arrays() if name.startswith("field.")]
 
 
-def test_a_format_that_stores_no_fields_yet_says_which_do(tmp_path):
-    with pytest.raises(ValueError, match="zip, lmdb, memmap"):
-        pf.open_writer(tmp_path / "a.h5", format="hdf5", mode="raw", shape=SHAPE, fields=["caption=text"])
+def test_a_format_that_stores_no_fields_says_which_do(tmp_path):
+    from . import tiny_format  # a format registered from outside the library, whose writer stores none
+
+    pf.backends.register(tiny_format.SPEC)
+    try:
+        with pytest.raises(ValueError, match="zip, hdf5, lmdb, memmap"):
+            pf.open_writer(tmp_path / "a.tiny", format="tiny", mode="raw", shape=SHAPE, fields=["caption=text"])
+    finally:
+        pf.backends.unregister("tiny")
     assert not os.listdir(tmp_path)
+
+
+def test_a_damaged_or_resealed_hdf5_fields_header_is_refused_by_name(tmp_path):
+    import h5py
+
+    from packed_formats.backends import hdf5, hdf5_fields
+
+    path = tmp_path / "a.h5"
+    write(path, "hdf5", "raw", count=4)
+    with h5py.File(path, "r") as file:
+        at = file[hdf5_fields.NAME].id.get_offset()
+    with open(path, "rb") as raw:
+        raw.seek(at + 12)
+        header = raw.read(200)
+    damaged = tmp_path / "damaged.h5"
+    damaged.write_bytes(path.read_bytes())
+    with open(damaged, "r+b") as raw:
+        raw.seek(at + 20)
+        raw.write(b"X")
+    with pytest.raises(pf.CorruptArchiveError, match="fields' header does not match its checksum"):
+        pf.open_archive(damaged)
+    # re-sealed: a span moved past the bundle's end, the locator's checksums written anew
+    first = header.index(b"[") + 1
+    digits = header[first : header.index(b",", first)]
+    with open(path, "r+b") as raw:
+        raw.seek(at + 12 + first)
+        raw.write(b"9" * len(digits))
+    hdf5.seal_metadata(str(path))
+    with pytest.raises(pf.CorruptArchiveError, match="outside the bundle"):
+        pf.open_archive(path)
 
 
 @pytest.mark.parametrize("changes, problem", [
@@ -170,7 +206,7 @@ def flip_field_byte(path, fmt: str, reader_index, name: str, i: int) -> None:
         at = int(data.offset) + int(reader_index.fields[f"field.{name}.offsets"][i])
     elif fmt == "zip":
         file, at = str(path), int(reader_index.fields[f"field.{name}.positions"][i])
-    else:  # lmdb: the value's bytes, found in the file
+    else:  # hdf5, lmdb: the value's bytes, found in the file
         file = str(path)
         with pf.open_archive(path) as reader:
             value = reader.read_field_bytes(i, name)

@@ -38,9 +38,10 @@ import numpy as np
 
 from ..checksum import crc32
 from ..errors import ArchiveNotFoundError, ArchivePermissionError, ClosedArchiveError, CorruptArchiveError
+from ..fields import field_arrays
 from ..index import SampleIndex
 from ..manifest import ArchiveManifest
-from . import hdf5_guard, hdf5_layout, index_map, mapped
+from . import hdf5_fields, hdf5_guard, hdf5_layout, index_map, mapped
 from .base import DAMAGED_HINT, Backend, FormatSpec, Handle, Writer
 
 MANIFEST_ATTR = "packed_formats_manifest"
@@ -94,6 +95,7 @@ class HDF5Handle(Handle):
 
 class HDF5Writer(Writer):
     format_name = "hdf5"
+    stores_fields = True
 
     @staticmethod
     def size_bound(mode: str, count: int, payload: int, sample_bytes: Optional[int], key_bytes: int,
@@ -112,6 +114,9 @@ class HDF5Writer(Writer):
             _BLOCK_SAMPLES)
 
     def begin(self, temp_path: str) -> None:
+        # each field's values wait in a file of their own, then go into one bundle (hdf5_fields)
+        self._field_paths = {spec.name: f"{temp_path}.field-{spec.name}" for spec in self.fields}
+        self._field_files = {name: open(path, "wb") for name, path in self._field_paths.items()}
         self._file = h5py.File(temp_path, "w", userblock_size=hdf5_guard.USERBLOCK)  # filled by finish
         self._capacity = 0
         self._filled = 0  # samples (raw) or bytes (encoded) written to the dataset
@@ -142,6 +147,10 @@ class HDF5Writer(Writer):
         self._pending_bytes += len(blob)
         if len(self._pending) >= _BLOCK_SAMPLES or self._pending_bytes >= _BLOCK_BYTES:
             self._write_pending()
+        return -1
+
+    def append_field(self, name: str, blob: bytes, i: int, crc: int) -> int:
+        self._field_files[name].write(blob)
         return -1
 
     def _write_pending(self) -> None:
@@ -183,7 +192,12 @@ class HDF5Writer(Writer):
             if chunks is not None:  # else readers ask HDF5 for them, in a child process
                 self._file.create_dataset(CHUNKS_NAME, data=chunks)  # contiguous: located in the user block
         for name, array in index.arrays().items():
-            self._file.create_dataset(name, data=array)  # contiguous and unfiltered: readers map it
+            if name not in index.fields:
+                self._file.create_dataset(name, data=array)  # contiguous and unfiltered: readers map it
+        if self.fields:
+            self._close_field_files()
+            hdf5_fields.write(self._file, dict(index.fields), self._field_paths)
+            self._remove_field_files()
         self._file.attrs[MANIFEST_ATTR] = manifest.to_json()  # the seal, written last
         self._file.close()
         seal_metadata(self.temp_path)
@@ -193,6 +207,17 @@ class HDF5Writer(Writer):
             self._file.close()
         except Exception:
             pass
+        self._close_field_files()
+        self._remove_field_files()
+
+    def _close_field_files(self) -> None:
+        for file in getattr(self, "_field_files", {}).values():
+            file.close()
+
+    def _remove_field_files(self) -> None:
+        for path in getattr(self, "_field_paths", {}).values():
+            if os.path.exists(path):
+                os.unlink(path)
 
 
 _BLOCK_SAMPLES = 256  # samples written to HDF5 in one call at most
@@ -256,6 +281,7 @@ class HDF5Backend(Backend[HDF5Handle]):
 
     format_name = "hdf5"
     chunks: Optional[np.ndarray] = None  # the flat sample dataset's chunk addresses (see Layout)
+    field_spans: Dict[str, Tuple[int, int]] = {}  # each field's values: (file offset, bytes)
     chunk_bytes = 0
     data_nbytes = 0
     file_size = 0  # when the layout was read: no sample holds more bytes
@@ -270,8 +296,33 @@ class HDF5Backend(Backend[HDF5Handle]):
             raise CorruptArchiveError(path, f"cannot read the archive index: {exc}", hint=DAMAGED_HINT) from None
         backend = cls(path, manifest, index)
         backend.chunks, backend.chunk_bytes, backend.data_nbytes = layout.chunks, layout.chunk_bytes, layout.data_nbytes
+        if manifest.fields:
+            backend._read_fields(layout)
         backend._check_layout()
         return backend
+
+    def _read_fields(self, layout: hdf5_layout.Layout) -> None:
+        """The fields' index arrays into the index, and where each field's values lie, from their bundle."""
+        if layout.fields is None:
+            raise self._damaged("its manifest declares fields, but its locator places none")
+        fd = _open_fd(self.path)
+        try:
+            entry = layout.fields
+            arrays, self.field_spans = hdf5_fields.read(
+                self.path, fd, entry.offset, entry.nbytes, entry.crc32, tuple(field_arrays(self.manifest.fields)),
+                tuple(spec.name for spec in self.manifest.fields))
+        finally:
+            os.close(fd)
+        self.index = SampleIndex.from_arrays({**layout.arrays, **arrays}, field_arrays(self.manifest.fields))
+
+    def read_field(self, handle: HDF5Handle, name: str, i: int) -> bytes:
+        handle.check_size()
+        assert handle.fd is not None
+        start, size = self.index.field_bytes(name, i)
+        offset, nbytes = self.field_spans[name]
+        if not 0 <= start <= start + size <= nbytes:
+            raise self.corrupt(f"field {name!r}: bytes {start} to {start + size} lie outside its {nbytes}", i)
+        return self._pread(handle.fd, offset + start, size, i)
 
     @classmethod
     def read_metadata(cls, path: str) -> Tuple[ArchiveManifest, SampleIndex]:
@@ -374,6 +425,11 @@ def _located(file: h5py.File) -> Dict[str, hdf5_layout.Entry]:
         at = _stored_at(file[name]) if name in file else None
         if at is not None:
             entries[name] = hdf5_layout.Entry(at.offset, at.nbytes, 0, at.dtype.str)
+    bundle = file.get(hdf5_fields.NAME)
+    at = _stored_at(bundle) if isinstance(bundle, h5py.Dataset) else None
+    if at is not None:
+        entries[hdf5_layout.FIELDS] = hdf5_layout.Entry(at.offset, at.nbytes,
+                                                        hdf5_fields.header_crc32(file.filename, at.offset), "|u1")
     data, table = file.get("data"), file.get(CHUNKS_NAME)
     at = _stored_at(table) if isinstance(table, h5py.Dataset) else None
     samples = file.get("images", data)

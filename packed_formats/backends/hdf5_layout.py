@@ -38,6 +38,7 @@ _HEAD = struct.Struct("<8sI")  # magic, number of entries
 _ENTRY = struct.Struct("<16sQQI8s")  # name, offset, bytes, CRC32 (0: checked elsewhere), dtype
 MAX_ENTRIES = (hdf5_guard.LOCATOR_ROOM - _HEAD.size) // _ENTRY.size
 MANIFEST, CHUNKS, DATA = "manifest", "chunk_table", "data"  # DATA: offset = chunk bytes, bytes = stored bytes
+FIELDS = "fields"  # the bundle of the samples' fields (hdf5_fields): its span, and its header's CRC32
 MAX_MANIFEST = 64 << 20  # bytes: far above any real manifest (ImageNet-21k's class names take ~0.5 MiB)
 PROBE_SECONDS = 10.0  # the child's time limit, plus one second per PROBE_BYTES_PER_SECOND of file
 PROBE_BYTES_PER_SECOND = 256 << 20
@@ -66,6 +67,7 @@ class Layout:
     chunks: Optional[np.ndarray] = None
     chunk_bytes: int = 0
     data_nbytes: int = 0
+    fields: Optional[Entry] = None  # where the fields' bundle lies (archives with fields)
 
 
 def pack(entries: Dict[str, Entry]) -> bytes:
@@ -116,7 +118,7 @@ def from_locator(path: str, fd: int, entries: Dict[str, Entry], array_names: tup
         arrays = index_map.map_arrays(fd, where)
     except (OSError, ValueError) as exc:
         raise _damaged(path, f"cannot map the archive index: {exc}") from None
-    layout = Layout(text, arrays)
+    layout = Layout(text, arrays, fields=entries.get(FIELDS))
     if CHUNKS in entries:
         data = entries.get(DATA, Entry(0, 0))
         table = _read_checked(path, fd, CHUNKS, entries[CHUNKS])
