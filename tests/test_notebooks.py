@@ -23,7 +23,7 @@ spec.loader.exec_module(tool)
 
 NOTEBOOKS = tool.notebooks([])
 LESSONS = ["why_packed_formats", "multi_worker_safety", "convert_and_benchmark", "fast_gpu_pipeline",
-           "walltime_resume", "integrity", "object_storage"]
+           "walltime_resume", "integrity", "object_storage", "segmentation_fields"]
 
 
 def code_cells(notebook):
