@@ -546,3 +546,33 @@ def test_the_hubs_columns_become_fields(tmp_path, layout):
         pf.convert(src, tmp_path / "x.zip", fields=["depth=text"], quiet=True)
     with pytest.raises(pf.CorruptSampleError, match="column 'boxes'.*shape"):
         pf.convert(src, tmp_path / "y.zip", fields=["boxes=array:float32[N,3]"], workers=1, quiet=True)
+
+
+def test_files_beside_a_folders_images_are_their_fields(tmp_path):
+    root = tmp_path / "tree"
+    for c, name in enumerate(["cat", "dog"]):
+        (root / name).mkdir(parents=True)
+        for i in range(3):
+            stem = root / name / f"{name}{i}"
+            Image.fromarray(image_of(3 * c + i)).save(f"{stem}.jpg")
+            Image.fromarray(np.full((5, 5), i, np.uint8)).save(f"{stem}.seg.png")
+            (root / name / f"{name}{i}.json").write_text(json.dumps({"n": 3 * c + i}))
+    out = tmp_path / "out.zip"
+    pf.convert(root, out, fields=["seg=image", "json=json"], quiet=True)
+    with pf.open_archive(out) as reader:
+        assert len(reader) == 6 and reader.classes == ["cat", "dog"]  # the masks are fields, not samples
+        for i in range(6):
+            name = reader.key(i)
+            assert name.endswith(".jpg") and reader.read_field(i, "json") == {"n": i}
+            assert reader.read_field_bytes(i, "seg") == (root / name.replace(".jpg", ".seg.png")).read_bytes()
+    os.unlink(root / "dog" / "dog1.json")
+    with pytest.raises(pf.CorruptSampleError, match="dog1.jpg .*: has no file for field 'json'"):
+        pf.convert(root, tmp_path / "x.zip", fields=["seg=image", "json=json"], quiet=True)
+    summary = pf.convert(root, tmp_path / "y.zip", fields=["seg=image", "json=json"], on_error="skip", quiet=True)
+    assert summary.samples == 5 and len(summary.failed) == 1
+    with pytest.raises(pf.InvalidSourceError, match="named, not found"):
+        pf.convert(root, tmp_path / "z.zip", fields=["auto"], quiet=True)
+    plain = tmp_path / "plain.zip"
+    pf.convert(root, plain, quiet=True)  # without fields the masks are images like the others, as before
+    with pf.open_archive(plain) as reader:
+        assert len(reader) == 12
