@@ -418,12 +418,17 @@ def test_fields_are_refused_where_they_cannot_be_packed_yet(tmp_path):
         pf.convert(shard, tmp_path / "a.zip", fields=["seg=image"], mode="raw", size=8, quiet=True)
     with pytest.raises(pf.InvalidSourceError, match="arrays: declare"):
         pf.convert(shard, tmp_path / "a.zip", fields=["auto"], quiet=True)
-    folder = tmp_path / "folder" / "a"
-    folder.mkdir(parents=True)
-    Image.fromarray(image_of(0)).save(folder / "x.png")
-    with pytest.raises(pf.InvalidSourceError, match="fields are read from"):
-        pf.convert(tmp_path / "folder", tmp_path / "b.zip", fields=["txt=text"], quiet=True)
-    assert sorted(os.listdir(tmp_path)) == ["folder", "shard-000.tar.gz", "shard-001.tar"]
+    import tarfile
+
+    with tarfile.open(tmp_path / "tree.tar", "w") as tar:  # a tar of a class-folder tree reads no fields yet
+        for name in ("a/x.png", "a/x.txt", "b/y.png", "b/y.txt"):
+            data = png(image_of(0)) if name.endswith(".png") else b"text"
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    with pytest.raises(pf.InvalidSourceError, match="fields are read from .*; this is a tar source"):
+        pf.convert(tmp_path / "tree.tar", tmp_path / "b.zip", fields=["txt=text"], quiet=True)
+    assert sorted(os.listdir(tmp_path)) == ["shard-000.tar.gz", "shard-001.tar", "tree.tar"]
 
 
 def test_an_archive_converted_to_another_format_keeps_its_fields(tmp_path):
