@@ -81,18 +81,20 @@ class FolderSource(Source):
         return source
 
     def load_fields(self, i: int) -> Dict[str, Any]:
-        out = {}
-        for spec in self.fields:
-            path = os.path.join(self.root, decode_key(self.sidecars[spec.name][i]))
-            try:
-                with open(path, "rb") as file:
-                    out[spec.name] = spec.from_file(file.read())
-            except FieldValueError as exc:
-                raise CorruptSampleError(path, str(exc), index=i, key=self.key(i)) from None
-            except OSError as exc:
-                raise CorruptSampleError(path, f"field {spec.name!r}: cannot read it: {exc.strerror}", index=i,
-                                         key=self.key(i)) from None
-        return out
+        files = {spec.name: os.path.join(self.root, decode_key(self.sidecars[spec.name][i])) for spec in self.fields}
+        return {spec.name: self.field_from_file(spec, i, files[spec.name]) for spec in self.fields}
+
+    def field_from_file(self, spec: FieldSpec, i: int, path: str) -> Any:
+        """Field ``spec`` of sample i from the file at ``path`` (CorruptSampleError naming the file when it
+        cannot be read or holds no value of the field)."""
+        try:
+            with open(path, "rb") as file:
+                return spec.from_file(file.read())
+        except FieldValueError as exc:
+            raise CorruptSampleError(path, str(exc), index=i, key=self.key(i)) from None
+        except OSError as exc:
+            raise CorruptSampleError(path, f"field {spec.name!r}: cannot read it: {exc.strerror}", index=i,
+                                     key=self.key(i)) from None
 
     @classmethod
     def _with_dataset_json(cls, root: str, content: bytes) -> "FolderSource":

@@ -100,23 +100,19 @@ class ListSource(FolderSource):
         for spec in self.fields:
             cell = self.columns[spec.name].value(i)
             where = f"{self.path} (row of {self.key(i)!r}, column {spec.name!r})"
+            if spec.kind in ("image", "array", "bytes") and isinstance(cell, str) and cell:
+                out[spec.name] = self.field_from_file(spec, i, os.path.join(self.root, cell))
+                continue
             try:
                 if spec.kind in ("image", "array", "bytes"):
-                    if not isinstance(cell, str) or not cell:
-                        raise FieldValueError(f"field {spec.name!r} ({spec.kind}): the cell names no file")
-                    where = os.path.join(self.root, cell)
-                    with open(where, "rb") as file:
-                        out[spec.name] = spec.from_file(file.read())
-                elif spec.kind == "json" and isinstance(cell, str) and not self.columns[spec.name].as_json:
+                    raise FieldValueError(f"field {spec.name!r} ({spec.kind}): the cell names no file")
+                if spec.kind == "json" and isinstance(cell, str) and not self.columns[spec.name].as_json:
                     out[spec.name] = spec.from_file(cell.encode("utf-8"))
                 else:
                     spec.encode(cell)
                     out[spec.name] = cell
             except FieldValueError as exc:
                 raise CorruptSampleError(where, str(exc), index=i, key=self.key(i)) from None
-            except OSError as exc:
-                raise CorruptSampleError(where, f"field {spec.name!r}: cannot read it: {exc.strerror}", index=i,
-                                         key=self.key(i)) from None
         return out
 
 
