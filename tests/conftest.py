@@ -99,6 +99,13 @@ SLOW_FOR_THE_QUICK_TIER = {
     "test_spawn_mapping::test_spawned_workers_of_a_sharded_archive_read_right_samples_and_labels",
     "test_device_decode::test_workers_cut_crops_for_a_device_that_does_the_rest",
     "test_device_decode::test_device_decode_is_the_same_with_workers_and_every_start_method",
+    "test_device_decode::test_a_damaged_stored_byte_is_named_by_its_checksum",
+    "test_shard_limits::test_closing_a_sharded_reader_closes_every_part",
+    # 40,000 files listed; the doctor's timed probes; 500 random credentials sent to a server and into errors
+    "test_sources::test_listing_a_folder_holds_no_python_object_per_file",
+    "test_doctor::test_doctor_on_a_raw_archive_leaves_the_decoder_unchecked_and_says_so",
+    "test_urls::test_a_urls_credentials_reach_the_server_as_the_bytes_they_escape",
+    "test_urls::test_an_error_for_a_url_with_credentials_never_holds_them",
 }
 # A forkserver (a DataLoader's multiprocessing_context="forkserver", the fuzz's batches) forks its workers
 # from one process that imported these once, as a training script's does after
