@@ -581,3 +581,23 @@ def test_files_beside_a_folders_images_are_their_fields(tmp_path):
     pf.convert(root, plain, quiet=True)  # without fields the masks are images like the others, as before
     with pf.open_archive(plain) as reader:
         assert len(reader) == 12
+
+
+def test_a_set_whose_parts_have_fields_is_refused_by_name_not_read_without_them(tmp_path):
+    from packed_formats.backends.sharded import ShardedWriter
+    from packed_formats.manifest import part_of_set
+
+    path = tmp_path / "set.zip"
+    with ShardedWriter(path, "zip", 2, mode="raw", shape=SHAPE, classes=["a"]) as writer:
+        for i in range(4):
+            writer.add(image_of(i), 0)
+    with pf.open_archive(path) as reader:
+        first = reader.backend.parts[0]
+        part, (set_id, place) = first.path, (first.manifest.set_id, first.manifest.part)
+    os.unlink(part)  # the first part written again, in its place in the set, with a field
+    with part_of_set(set_id, place), pf.open_writer(part, format="zip", mode="raw", shape=SHAPE, classes=["a"],
+                                                    fields=["caption=text"]) as writer:
+        for i in range(2):
+            writer.add(image_of(i), 0, fields={"caption": f"c{i}"})
+    with pytest.raises(pf.PackedFormatError, match="has fields \\(caption\\), which a set of parts does not read"):
+        pf.open_archive(path)

@@ -459,6 +459,15 @@ def _check_parts(path: str, parts: List[Reader], index_spec: Dict[str, Any]) -> 
             raise CorruptArchiveError(path, f"part {part.path} holds {len(part)} samples, index says {count}")
         check_part(path, part.path, part.manifest, p, index_spec["set_id"], index_spec["format"])
         check_agreement(path, part.path, part.manifest, first.manifest, f"the first part, {first.path}")
+        refuse_fields(path, part.path, part.manifest)
+
+
+def refuse_fields(path: str, part_path: str, manifest: ArchiveManifest) -> None:
+    """PackedFormatError when a set's part has fields: a set does not read them yet (never silently without)."""
+    if manifest.fields:
+        raise PackedFormatError(path, f"part {part_path} has fields ({', '.join(f.name for f in manifest.fields)}), "
+                                      "which a set of parts does not read yet",
+                                hint="open each part on its own, or convert the parts into one archive")
 
 
 def check_part(path: str, part_path: str, manifest: ArchiveManifest, position: int, set_id: Optional[str],

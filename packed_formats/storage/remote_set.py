@@ -51,6 +51,7 @@ from ..backends.sharded import (
     index_text,
     is_shard_index,
     read_shard_index,
+    refuse_fields,
 )
 from ..errors import (
     CorruptArchiveError,
@@ -886,6 +887,7 @@ def _index_by_fetching(url: str, part_format: str, parts: List[RemotePart], cach
                                                                       "set": url}))
             reader = Reader(path, spec(part_format).backend, verify=False)
             readers.append(reader)
+            refuse_fields(url, part.url, reader.manifest)
             labels.append(np.asarray(reader.index.labels))
             keys.append(np.asarray(reader.index.keys))
             crcs.append(None if reader.index.crc32 is None else np.asarray(reader.index.crc32))
