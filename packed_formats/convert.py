@@ -41,6 +41,7 @@ from .errors import (
     PackedFormatError,
     RemoteNotFoundError,
 )
+from .fields import FieldSpec
 from .handles import pid_alive
 from .manifest import MODES
 from .parallel import WorkerDiedError, available_cores, ordered_map
@@ -182,9 +183,6 @@ def convert(
         ConversionInterrupted / KeyboardInterrupt.
     """
     fields = tuple(fields)
-    if fields and (size is not None or shard_size or part is not None):
-        which = "size" if size is not None else "shard_size" if shard_size else "part"
-        raise ValueError(f"fields are packed as they are, into one archive: {which} is not taken with them yet")
     if _any_remote(src) or storage.is_remote(os.fspath(dst)):
         if fields:
             raise ValueError("fields are packed from local sources into local archives, so far")
@@ -215,10 +213,7 @@ def convert(
         allow_pickle=allow_pickle, on_error=on_error, fields=fields,
     )
     try:
-        if source.fields and (size is not None or shard_size or part is not None):  # an archive's own fields
-            which = "size" if size is not None else "shard_size" if shard_size else "part"
-            raise ValueError(f"{shown} has fields ({', '.join(f.describe() for f in source.fields)}), packed as "
-                             f"they are into one archive: {which} is not taken with them yet")
+        _check_fields_fit(shown, source.fields, size, shard_size, part)
         recipe = _recipe(source, mode, size, resize_mode, encoding, quality)
         if part is not None:
             with _signals_interrupt():
@@ -363,6 +358,21 @@ def _append_all(results: Iterator[Any], source: Source, output: Any, on_error: s
     return failed
 
 
+def _check_fields_fit(shown: str, fields: Sequence[FieldSpec], size: Any, shard_size: Optional[int],
+                      part: Any) -> None:
+    """ValueError when the source's fields cannot go where the options send them (yet): into a set of parts,
+    or through a resize an array field (boxes, points) cannot follow; image fields are resized with the image."""
+    if not fields:
+        return
+    described = ", ".join(f.describe() for f in fields)
+    if shard_size or part is not None:
+        raise ValueError(f"{shown} has fields ({described}): a set of parts (shard_size, part) does not take them yet")
+    arrays = [f.describe() for f in fields if f.kind == "array"]
+    if size is not None and arrays:
+        raise ValueError(f"{shown} has the array field {arrays[0]}, whose values cannot follow a resize of the "
+                         "images: convert without size (image fields, masks, are resized with the image)")
+
+
 def _prepare_sample(context: Tuple[Source, Recipe], i: int) -> Tuple[bool, Any, bool]:
     """(True, stored sample, alpha dropped) or (False, CorruptSampleError naming the file, False); runs in a
     worker."""
@@ -371,9 +381,15 @@ def _prepare_sample(context: Tuple[Source, Recipe], i: int) -> Tuple[bool, Any, 
     if not source.fields or not prepared[0]:
         return prepared
     try:  # the sample and its fields travel together: (stored image, {field: value})
-        return True, (prepared[1], source.load_fields(i)), prepared[2]
+        values = source.load_fields(i)
+        for spec in source.fields:
+            values[spec.name] = recipe.field(spec, values[spec.name])
+        return True, (prepared[1], values), prepared[2]
     except PackedFormatError as exc:
         return False, exc, False
+    except codecs.DecodeError as exc:
+        return False, CorruptSampleError(source.location(i), f"a field does not decode: {exc}", index=i,
+                                         key=source.key(i)), False
 
 
 def _payloads(source: Source) -> Iterator[Tuple[int, str, str, Any]]:

@@ -133,11 +133,13 @@ def _resized(pixels: np.ndarray, size: Tuple[int, int], resize_mode: str) -> np.
 
 
 def resize(
-    image: Image.Image, size: Tuple[int, int], resize_mode: str = "stretch", reducing_gap: Optional[float] = None
+    image: Image.Image, size: Tuple[int, int], resize_mode: str = "stretch", reducing_gap: Optional[float] = None,
+    resample: Image.Resampling = Image.Resampling.BILINEAR,
 ) -> Image.Image:
-    """``image`` at (height, width), bilinear: stretched, or scaled so the shorter side fits and center-cropped."""
+    """``image`` at (height, width), bilinear: stretched, or scaled so the shorter side fits and center-cropped.
+    With ``resample`` NEAREST (a mask: its values are classes, never blended) its mode is kept as it is."""
     height, width = size
-    if image.mode not in ("RGB", "L"):
+    if image.mode not in ("RGB", "L") and resample != Image.Resampling.NEAREST:
         image = image.convert("RGB")
     box: Tuple[float, float, float, float]
     if resize_mode == "stretch":
@@ -151,7 +153,9 @@ def resize(
         raise ValueError(f"resize mode must be one of {RESIZE_MODES}, got {resize_mode!r}")
     if image.size == (width, height) and box == (0, 0, width, height):
         return image
-    return image.resize((width, height), Image.Resampling.BILINEAR, box=box, reducing_gap=reducing_gap)
+    if resample == Image.Resampling.NEAREST:
+        return image.resize((width, height), resample, box=box)
+    return image.resize((width, height), resample, box=box, reducing_gap=reducing_gap)
 
 
 def dct_scaled(stored: Tuple[int, int], wanted: Tuple[int, int]) -> Tuple[int, int]:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import re
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import numpy as np
 from PIL import Image
 
 from . import codecs, policy
+from .fields import FieldSpec
 
 _REDUCING_GAP = 2.0  # shrink cheaply (JPEG draft, integer reduce) only down to twice the target size
 
@@ -58,6 +60,18 @@ class Recipe:
         if self.mode == "raw":
             return pixels
         return codecs.encode(pixels, self.encoding, self.quality)
+
+    def field(self, spec: FieldSpec, value: Any) -> Any:
+        """A field's value as the destination stores it: an image field (a mask) resized as the image is, with
+        nearest-neighbour sampling (its values are classes, never blended) and stored as PNG (its mode kept);
+        anything else as it is.  codecs.DecodeError when an image field does not decode."""
+        if spec.kind != "image" or self.size is None:
+            return value
+        image = codecs.open_image(value) if isinstance(value, bytes) else Image.fromarray(np.asarray(value))
+        resized = policy.resize(image, self.size, self.resize_mode, resample=Image.Resampling.NEAREST)
+        out = io.BytesIO()
+        resized.save(out, "PNG")
+        return out.getvalue()
 
     def drops_alpha(self, stored: "bytes | np.ndarray") -> bool:
         """Whether making this sample drops a transparency (alpha) channel the source has."""

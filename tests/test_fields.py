@@ -414,8 +414,11 @@ def test_fields_are_refused_where_they_cannot_be_packed_yet(tmp_path):
     with pytest.raises(pf.InvalidSourceError, match="uncompressed"):
         pf.convert(compressed, tmp_path / "a.zip", fields=["txt=text"], quiet=True)
     shard = write_shard(tmp_path / "shard-001.tar")
-    with pytest.raises(ValueError, match="size"):
-        pf.convert(shard, tmp_path / "a.zip", fields=["seg=image"], mode="raw", size=8, quiet=True)
+    with pytest.raises(ValueError, match="array field boxes=array:float32\\[N,4\\], whose values cannot follow"):
+        pf.convert(shard, tmp_path / "a.zip", fields=["seg=image", "boxes=array:float32[N,4]"], mode="raw", size=8,
+                   quiet=True)
+    with pytest.raises(ValueError, match="a set of parts"):
+        pf.convert(shard, tmp_path / "a.zip", fields=["seg=image"], shard_size=2, quiet=True)
     with pytest.raises(pf.InvalidSourceError, match="arrays: declare"):
         pf.convert(shard, tmp_path / "a.zip", fields=["auto"], quiet=True)
     import tarfile
@@ -443,7 +446,7 @@ def test_an_archive_converted_to_another_format_keeps_its_fields(tmp_path):
     pf.convert(source, tmp_path / "c.zip", fields=["caption=text"], quiet=True)
     with pf.open_archive(tmp_path / "c.zip") as reader:
         assert [s.name for s in reader.fields] == ["caption"]
-    with pytest.raises(ValueError, match="has fields"):
+    with pytest.raises(ValueError, match="has the array field"):
         pf.convert(source, tmp_path / "d.zip", mode="raw", size=8, quiet=True)
 
 
@@ -601,3 +604,23 @@ def test_a_set_whose_parts_have_fields_is_refused_by_name_not_read_without_them(
             writer.add(image_of(i), 0, fields={"caption": f"c{i}"})
     with pytest.raises(pf.PackedFormatError, match="has fields \\(caption\\), which a set of parts does not read"):
         pf.open_archive(path)
+
+
+@pytest.mark.parametrize("resize_mode", ["stretch", "shorter-side-center-crop"])
+def test_a_resize_takes_the_masks_along_with_nearest_neighbour_sampling(tmp_path, resize_mode):
+    from packed_formats import policy
+
+    shard = write_shard(tmp_path / "shard-000.tar")
+    out = tmp_path / "raw.lmdb"
+    pf.convert(shard, out, fields=["seg=image", "txt=text"], mode="raw", size=(12, 16), resize_mode=resize_mode,
+               quiet=True)
+    with pf.open_archive(out) as reader:
+        for i in range(6):
+            members = shard_members(i)
+            mask = Image.open(io.BytesIO(reader.read_field(i, "seg")))
+            assert mask.size == (16, 12) and mask.mode == "L"
+            expected = policy.resize(Image.open(io.BytesIO(members["seg.png"])), (12, 16), resize_mode,
+                                     resample=Image.Resampling.NEAREST)
+            assert np.array_equal(np.asarray(mask), np.asarray(expected))
+            assert set(np.unique(np.asarray(mask))) <= {0, 1, 2}  # classes, never blended
+            assert reader.read(i).shape == (12, 16, 3) and reader.read_field(i, "txt") == f"caption {i}"
