@@ -315,7 +315,7 @@ def _run(source, dst, format, recipe, workers, shard_size, overwrite, on_error, 
     if source.random_access:
         mapped = ordered_map(_prepare_sample, (source, recipe), len(source), workers)
     else:
-        mapped = ordered_map(_prepare_item, recipe, len(source), workers, items=_payloads(source))
+        mapped = ordered_map(_prepare_item, (recipe, source.fields), len(source), workers, items=_payloads(source))
     with mapped as results:
         output = _open_output(dst, format, recipe, source, shard_size, overwrite, on_error)
         with output, tqdm(total=len(source), unit="img", desc="converting", disable=quiet, smoothing=0.05) as bar:
@@ -378,32 +378,43 @@ def _prepare_sample(context: Tuple[Source, Recipe], i: int) -> Tuple[bool, Any, 
     worker."""
     source, recipe = context
     prepared = _prepare(recipe, lambda: source.load(i), i, lambda: source.key(i), lambda: source.location(i))
-    if not source.fields or not prepared[0]:
+    return _with_fields(recipe, source.fields, prepared, lambda: source.load_fields(i), i, source.key(i),
+                        source.location(i))
+
+
+def _with_fields(recipe: Recipe, fields: Sequence[FieldSpec], prepared: Tuple[bool, Any, bool],
+                 load: Callable[[], Dict[str, Any]], i: int, key: str, location: str) -> Tuple[bool, Any, bool]:
+    """A prepared sample with its fields as the destination stores them: (True, (stored image, {field:
+    value}), alpha dropped), or (False, the error naming the sample) when a field cannot be had."""
+    if not fields or not prepared[0]:
         return prepared
-    try:  # the sample and its fields travel together: (stored image, {field: value})
-        values = source.load_fields(i)
-        for spec in source.fields:
+    try:
+        values = load()
+        for spec in fields:
             values[spec.name] = recipe.field(spec, values[spec.name])
         return True, (prepared[1], values), prepared[2]
     except PackedFormatError as exc:
         return False, exc, False
     except codecs.DecodeError as exc:
-        return False, CorruptSampleError(source.location(i), f"a field does not decode: {exc}", index=i,
-                                         key=source.key(i)), False
+        return False, CorruptSampleError(location, f"a field does not decode: {exc}", index=i, key=key), False
 
 
-def _payloads(source: Source) -> Iterator[Tuple[int, str, str, Any]]:
-    """(index, key, location, stored data or its error) of each sample, read in order in this process."""
+def _payloads(source: Source) -> Iterator[Tuple[int, str, str, Any, Any]]:
+    """(index, key, location, stored data or its error, its fields' values) of each sample, read in order in
+    this process."""
     for i, sample in enumerate(source):
-        yield i, sample.key, source.location(i), sample.data
+        yield i, sample.key, source.location(i), sample.data, sample.fields
 
 
-def _prepare_item(recipe: Recipe, payload: Tuple[int, str, str, Any]) -> Tuple[bool, Any, bool]:
+def _prepare_item(context: Tuple[Recipe, Tuple[FieldSpec, ...]], payload: Tuple[int, str, str, Any, Any]
+                  ) -> Tuple[bool, Any, bool]:
     """_prepare_sample for a sample this process read (a payload of ``_payloads``); runs in a worker."""
-    i, key, location, data = payload
+    recipe, fields = context
+    i, key, location, data, values = payload
     if isinstance(data, PackedFormatError):
         return False, data, False
-    return _prepare(recipe, lambda: data, i, lambda: key, lambda: location)
+    prepared = _prepare(recipe, lambda: data, i, lambda: key, lambda: location)
+    return _with_fields(recipe, fields, prepared, lambda: dict(values), i, key, location)
 
 
 def _prepare(

@@ -85,11 +85,13 @@ class SourceOptions:
 
 
 class Sample(NamedTuple):
-    """One sample as a source yields it; ``data`` is the error instead when it cannot be read."""
+    """One sample as a source yields it; ``data`` is the error instead when it cannot be read (or one of its
+    fields cannot); ``fields``: its value of each of the source's fields."""
 
     key: str
     label: int
     data: "Data | PackedFormatError"
+    fields: Optional[Dict[str, Any]] = None
 
 
 class Source:

@@ -18,7 +18,8 @@ json, txt (text) and the rest as bytes, named by the extension's first part
 (``seg.png`` is ``seg``); an ``.npy`` member needs its declaration
 (``--field depth=array:float32[N,4]``).  A sample without a field's member,
 or whose member is no value of its field, is an error naming the member (or
-is left out with on_error="skip").  Fields are read from uncompressed shards.
+is left out with on_error="skip").  From compressed shards, a sample's image
+and its fields' members come in one ordered pass, as images alone do.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ import itertools
 import os
 import posixpath
 import re
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ..errors import ArchiveNotFoundError, CorruptSampleError, InvalidSourceError
 from ..fields import NAME, RESERVED, FieldSpec, FieldValueError
-from .base import SourceOptions, classes_and_labels, is_junk
+from .base import Sample, SourceOptions, classes_and_labels, is_junk
 from .tarfiles import DEFAULT_LABEL_KEY, TarBackedSource, TarListing, TarSamples, member_extension, screen_members
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
@@ -44,6 +45,7 @@ class WebDatasetSource(TarBackedSource):
     kind = "webdataset"
     reads_fields = True
     field_samples: Dict[str, TarSamples] = {}
+    together: Optional[TarSamples] = None  # compressed shards with fields: every member a sample needs, in order
 
     @classmethod
     def matches(cls, listing: TarListing, options: SourceOptions) -> bool:
@@ -102,20 +104,47 @@ class WebDatasetSource(TarBackedSource):
                      f"webdataset, {shards}{compressed}{described}")
         source.fields = specs
         source.field_samples = {name: TarSamples(listing, s) for name, s in field_seqs.items()}
+        if specs and any(listing.compressed):  # one ordered pass: each sample's image, then its fields' members
+            names = [spec.name for spec in specs]
+            source.together = TarSamples(listing, [s for i, image in enumerate(seqs)
+                                                   for s in [image] + [field_seqs[n][i] for n in names]])
         return source
 
     def load_fields(self, i: int) -> Dict[str, Any]:
         key = self.key(i)
+        return self._values(i, [self.field_samples[spec.name].read(i, key) for spec in self.fields])
+
+    def _values(self, i: int, members: List[bytes]) -> Dict[str, Any]:
+        """Sample i's fields from their members' bytes (CorruptSampleError naming the member of one that is
+        no value of its field)."""
         out = {}
-        for spec in self.fields:
-            members = self.field_samples[spec.name]
+        for spec, data in zip(self.fields, members):
             try:
-                out[spec.name] = spec.from_file(members.read(i, key))
+                out[spec.name] = spec.from_file(data)
             except FieldValueError as exc:
-                raise CorruptSampleError(members.where(i), str(exc), index=i, key=key,
+                raise CorruptSampleError(self.field_samples[spec.name].where(i), str(exc), index=i, key=self.key(i),
                                          hint="fix the member, declare the field otherwise (--field), or "
                                               "--on-error skip") from None
         return out
+
+    def __iter__(self) -> Iterator[Sample]:
+        """Compressed shards with fields: one ordered pass over each sample's image and field members."""
+        if self.random_access or not self.fields:
+            yield from super().__iter__()
+            return
+        assert self.together is not None  # from_listing made it for compressed shards with fields
+        width, i = 1 + len(self.fields), 0
+        group: List[bytes] = []
+        for data in self.together.in_order():
+            group.append(data)
+            if len(group) < width:
+                continue
+            try:
+                sample = Sample(self.key(i), int(self.labels[i]), group[0], self._values(i, group[1:]))
+            except CorruptSampleError as exc:
+                sample = Sample(self.key(i), int(self.labels[i]), exc)
+            group, i = [], i + 1
+            yield sample
 
 
 def _field_specs(path: str, listing: TarListing, grouped, options: SourceOptions, preferred: List[str],
@@ -123,9 +152,6 @@ def _field_specs(path: str, listing: TarListing, grouped, options: SourceOptions
     """The fields to read: those declared, or (auto) one for each other extension every sample has."""
     if not options.fields:
         return ()
-    if any(listing.compressed):
-        raise InvalidSourceError(path, "fields are read from uncompressed shards only, so far",
-                                 hint="decompress the shards first (gunzip), or convert without --field")
     declared = options.declared_fields
     if not options.auto_fields:
         return declared
