@@ -7,6 +7,7 @@ import dataclasses
 import io
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -644,3 +645,73 @@ def test_compressed_shards_give_the_same_fields_in_one_ordered_pass(tmp_path):
                     assert a.read_field_bytes(i, spec.name) == b.read_field_bytes(i, spec.name)
         if change is not None:
             assert len(summary.failed) == 1 and "s0004.json" in summary.failed[0]
+
+
+# ---- damage anywhere: the fields read intact or fail by name, never wrong, never a hang or a crash --------
+def read_every_field(path, reference, mode):
+    """Every sample's stored image and field bytes against ``reference``: None when all are intact."""
+    with pf.open_archive(path) as reader:
+        if len(reader) != len(reference):
+            return f"count {len(reader)}, expected {len(reference)}"
+        for i, values in enumerate(reference):
+            if reader.read_bytes(i) != values[""]:
+                return f"sample {i}: its image differs"
+            for name, want in values.items():
+                if name and reader.read_field_bytes(i, name) != want:
+                    return f"sample {i}: field {name!r} differs"
+                if name:
+                    reader.read_field(i, name)  # and decodes as its kind, or fails by name
+    return None
+
+
+def verify_every_field(path, reference, mode):
+    """``verify_archive(decode=True)``: None when it passes every sample, Flagged when it reports one."""
+    from . import fuzz_helpers as fuzz
+
+    report = pf.verify_archive(path, decode=True)
+    if not report.ok:
+        raise fuzz.Flagged(report.lines()[-1])
+    return None if report.count == len(reference) else f"verified {report.count} samples of {len(reference)}"
+
+
+def field_fuzz(tmp_path, fmt: str, seed: int, trials: int) -> list:
+    """``trials`` damaged copies of an archive with fields: the bad outcomes' descriptions."""
+    from . import fuzz_helpers as fuzz
+
+    good = tmp_path / f"good.{fmt}"
+    write(good, fmt, "encoded", count=6)
+    with pf.open_archive(good) as reader:
+        reference = [{"": reader.read_bytes(i), **{s.name: reader.read_field_bytes(i, s.name) for s in reader.fields}}
+                     for i in range(len(reader))]
+    files = fuzz.archive_files(str(good))
+    landmarks = dict(fuzz.landmarks_of(str(good), files))
+    bad = []
+    for n in range(trials):
+        damage = fuzz.choose_damage(fuzz.trial_rng(seed, fmt, "fields", n), files, landmarks)
+        copy = fuzz.copy_archive(str(good), str(tmp_path / f"trial-{n}.{fmt}"))
+        fuzz.apply_damage(copy, damage)
+        read = fuzz.run_isolated(read_every_field, copy, reference, "encoded", 15)
+        verify = fuzz.run_isolated(verify_every_field, copy, reference, "encoded", 15)
+        if read.verdict not in (fuzz.SAME, fuzz.NAMED):  # a wrong value, a foreign error, a hang, a crash
+            bad.append(f"{fmt} trial {n} ({damage.describe()}): reading {read}")
+        if verify.verdict not in (fuzz.SAME, fuzz.FLAGGED, fuzz.NAMED):
+            bad.append(f"{fmt} trial {n} ({damage.describe()}): verify {verify}")
+        if read.verdict == fuzz.NAMED and verify.verdict == fuzz.SAME:
+            bad.append(f"{fmt} trial {n} ({damage.describe()}): verify passed what a read refused ({read})")
+        (shutil.rmtree if os.path.isdir(copy) else os.unlink)(copy)
+    return bad
+
+
+@pytest.mark.parametrize("fmt", FIELD_FORMATS)
+def test_damaged_archives_with_fields_read_intact_or_fail_by_name(tmp_path, fmt):
+    assert field_fuzz(tmp_path, fmt, seed=5, trials=8) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", FIELD_FORMATS)
+def test_many_damaged_archives_with_fields_read_intact_or_fail_by_name(tmp_path, fmt):
+    import random
+
+    seed = int(os.environ.get("PF_FUZZ_SEED") or random.SystemRandom().randrange(1 << 32))
+    print(f"fields fuzz seed {seed} (replay with PF_FUZZ_SEED={seed})")
+    assert field_fuzz(tmp_path, fmt, seed, trials=40) == [], f"seed {seed}"
