@@ -186,22 +186,29 @@ def _row_shape(spec: FieldSpec) -> Tuple[int, ...]:
 
 
 def _encode_image(spec: FieldSpec, value: Any) -> bytes:
+    """Encoded bytes as they are; a PIL image as PNG in its own mode (a palette mask keeps its indices); an
+    array as PNG: 2-D uint8 or uint16 (a mask of up to 65,536 classes) or HxWx3 uint8."""
+    from PIL import Image
+
     if isinstance(value, (bytes, bytearray, memoryview)):
         data = bytes(value)
         if codecs.sniff(data) is None:
             raise FieldValueError(f"field {spec.name!r} (image): the bytes are no JPEG or PNG file")
         return data
-    channels = _channels(value)
-    pixels = codecs.to_array(value) if channels is None else codecs.to_array(value, channels=channels)
-    return codecs.encode(pixels, "png")
-
-
-def _channels(value: Any) -> Optional[int]:
-    """1 for a 2-D array or an L/1/P image (a mask keeps its one channel), else None: what it has."""
-    shape = getattr(value, "shape", None)
-    if shape is not None:
-        return 1 if len(shape) == 2 else None
-    return 1 if getattr(value, "mode", None) in ("L", "1", "P") else None
+    if hasattr(value, "detach"):  # a torch tensor
+        value = value.detach().cpu().numpy()
+    if not isinstance(value, Image.Image):
+        array = np.asarray(value)
+        fits = (array.ndim == 2 and array.dtype in (np.uint8, np.uint16)) or (
+            array.ndim == 3 and array.shape[2] == 3 and array.dtype == np.uint8)
+        if not fits:
+            raise FieldValueError(f"field {spec.name!r} (image): an image field takes 2-D uint8 or uint16 arrays "
+                                  f"(masks) or HxWx3 uint8, got {array.dtype} {tuple(array.shape)}; store other "
+                                  "arrays as an array field")
+        value = Image.fromarray(np.ascontiguousarray(array))
+    out = io.BytesIO()
+    value.save(out, "PNG")
+    return out.getvalue()
 
 
 def _encode_array(spec: FieldSpec, value: Any) -> bytes:

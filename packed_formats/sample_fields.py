@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from . import codecs, policy
+from . import codecs
 from .fields import FieldSpec
 
 ROLES = ("value", "mask", "image", "boxes")
@@ -76,10 +76,22 @@ def field_value(spec: FieldSpec, role: str, value: Any, output: str, canvas: Tup
                                         canvas_size=canvas)
     if kind == "mask":
         if spec.kind == "image":
-            pixels = policy.decode(value, 1)
-            return tv_tensors.Mask(torch.from_numpy(np.array(pixels[:, :, 0], copy=True)))
+            return tv_tensors.Mask(torch.from_numpy(mask_array(value)))
         return tv_tensors.Mask(torch.from_numpy(value))
     return tv_tensors.Image(image_output(value, "tensor"))
+
+
+def mask_array(data: bytes) -> np.ndarray:
+    """An image field's stored mask as its values: a palette image's indices, 8 or 16 bits as stored (never
+    through a colour conversion, which would turn classes into grey levels).  ValueError for a colour image."""
+    image = codecs.open_image(data)
+    if image.mode in ("1", "L", "P"):
+        return np.array(image, dtype=np.uint8)
+    if image.mode in ("I;16", "I;16B", "I;16L", "I"):  # a 16-bit PNG (older Pillows open it as 32-bit I)
+        values = np.array(image)
+        fits = values.size == 0 or (int(values.min()) >= 0 and int(values.max()) <= 0xFFFF)
+        return values.astype(np.uint16) if fits else values
+    raise ValueError(f"a {image.mode} image is no mask (one channel of class values)")
 
 
 def image_output(data: bytes, output: str) -> Any:

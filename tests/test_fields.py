@@ -715,3 +715,23 @@ def test_many_damaged_archives_with_fields_read_intact_or_fail_by_name(tmp_path,
     seed = int(os.environ.get("PF_FUZZ_SEED") or random.SystemRandom().randrange(1 << 32))
     print(f"fields fuzz seed {seed} (replay with PF_FUZZ_SEED={seed})")
     assert field_fuzz(tmp_path, fmt, seed, trials=40) == [], f"seed {seed}"
+
+
+def test_a_masks_class_values_survive_as_stored_palette_and_16_bit_alike(tmp_path):
+    """A palette PNG's indices and a uint16 mask's values are the mask, never grey levels of a colour conversion."""
+    palette = Image.fromarray(np.arange(24 * 32, dtype=np.uint8).reshape(24, 32) % 5, mode="P")
+    palette.putpalette([255, 0, 0, 0, 255, 0, 0, 0, 255, 255, 255, 0, 9, 9, 9] + [0] * (768 - 15))
+    wide = (np.arange(24 * 32, dtype=np.uint16).reshape(24, 32) * 97) % 60000
+    path = tmp_path / "a.zip"
+    with pf.open_writer(path, format="zip", mode="raw", shape=SHAPE, classes=["a"],
+                        fields=["voc=image", "wide=image", "given=image"]) as writer:
+        as_file = io.BytesIO()
+        palette.save(as_file, "PNG")
+        writer.add(image_of(0), 0, fields={"voc": palette, "wide": wide, "given": as_file.getvalue()})
+        with pytest.raises(pf.InvalidSampleError, match="an image field takes 2-D uint8 or uint16"):
+            writer.add(image_of(1), 0, fields={"voc": palette, "wide": wide.astype(np.float32), "given": b""})
+    dataset = pf.PackedDataset(path, output="tensor", fields={"voc": "mask", "wide": "mask", "given": "mask"})
+    sample = dataset[0]
+    assert np.array_equal(sample["voc"].numpy(), np.asarray(palette)) and sample["voc"].max() == 4
+    assert np.array_equal(sample["given"].numpy(), np.asarray(palette))
+    assert sample["wide"].dtype == torch.uint16 and np.array_equal(sample["wide"].numpy(), wide)
