@@ -446,6 +446,11 @@ def test_an_archive_converted_to_another_format_keeps_its_fields(tmp_path):
         assert [s.name for s in reader.fields] == ["caption"]
     with pytest.raises(ValueError, match="has the array field"):
         pf.convert(source, tmp_path / "d.zip", mode="raw", size=8, quiet=True)
+    pf.convert(source, tmp_path / "e.zip", mode="raw", size=8, fields=["none"], quiet=True)  # left out on purpose
+    with pf.open_archive(tmp_path / "e.zip") as reader:
+        assert reader.fields == () and len(reader) == len(written)
+    with pytest.raises(ValueError, match="'none' goes alone"):
+        pf.convert(source, tmp_path / "f.zip", fields=["none", "caption=text"], quiet=True)
 
 
 def test_the_command_line_packs_fields_and_info_lists_them(tmp_path):

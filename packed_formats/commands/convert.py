@@ -81,7 +81,8 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
                        "(jpg,jpeg,png,webp), HDF5 images dataset, pickled record field, or parquet/arrow image column")
     group.add_argument("--field", action="append", metavar="NAME=KIND", help="a field to pack with each sample, "
                        "repeatable: NAME=image, text, json, bytes or array:DTYPE[N,4] (N: any number of rows); "
-                       "'auto': each other member every webdataset sample has (seg.png: seg=image)")
+                       "'auto': each other member every webdataset sample has (seg.png: seg=image); 'none': no "
+                       "field, not even those an archive being converted has")
     group.add_argument("--allow-pickle", action="store_true",
                        help="read an LMDB of pickled records: unpickling runs code from the file, trust it first")
 

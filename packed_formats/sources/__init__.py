@@ -116,7 +116,7 @@ def open_source(
         if len(paths) != 1:
             raise InvalidSourceError(_shown(path), "several paths are read only as webdataset shards")
         source = kind.open(paths[0], options)
-    if options.fields and not source.reads_fields:
+    if options.fields and not options.no_fields and not source.reads_fields:
         source.close()
         readers = ", ".join(k.kind for k in KINDS if k.reads_fields)
         raise InvalidSourceError(source.path, f"fields are read from {readers} sources so far; this is a "

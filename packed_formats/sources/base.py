@@ -57,7 +57,8 @@ class SourceOptions:
     allow_pickle: read an LMDB of pickled records (unpickling runs code from the file).
     on_error: "raise" at the first unusable sample found while listing, or "skip" it.
     fields: the fields to read with each sample (``fields.FieldSpec``s, or ``NAME=KIND`` strings), and
-    "auto" among them: what the kind finds in every sample too; () reads none (each kind says what it can read).
+    "auto" among them: what the kind finds in every sample too; () reads none (each kind says what it can read)
+    but an archive's own, which "none" leaves out too.
     """
 
     labels: Optional[str] = None
@@ -71,8 +72,10 @@ class SourceOptions:
 
     def __post_init__(self) -> None:
         check_on_error(self.on_error)
-        auto = ("auto",) if "auto" in self.fields else ()
-        object.__setattr__(self, "fields", check_fields([f for f in self.fields if f != "auto"]) + auto)
+        words = tuple(w for w in ("auto", "none") if w in self.fields)
+        if words == ("auto", "none") or ("none" in words and len(self.fields) > 1):
+            raise ValueError("fields 'none' goes alone: no field at all")
+        object.__setattr__(self, "fields", check_fields([f for f in self.fields if f not in words]) + words)
 
     @property
     def auto_fields(self) -> bool:
@@ -81,7 +84,12 @@ class SourceOptions:
 
     @property
     def declared_fields(self) -> Tuple[FieldSpec, ...]:
-        return tuple(f for f in self.fields if f != "auto")
+        return tuple(f for f in self.fields if f not in ("auto", "none"))
+
+    @property
+    def no_fields(self) -> bool:
+        """Whether no field is to be read, not even those an archive carries ("none")."""
+        return "none" in self.fields
 
 
 class Sample(NamedTuple):

@@ -3,7 +3,7 @@
 Read through its Reader (checksums verified), at random: the Reader pickles
 as its path, so each conversion worker opens its own.  The archive's fields
 come along, all of them unless some are named (``--field NAME=KIND`` as the
-archive declares it).
+archive declares it) or ``--field none`` leaves them out.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class PackedSource(Source):
             if getattr(options, name) is not None:
                 raise InvalidSourceError(path, f"a packed_formats archive takes no {name} option")
         source = cls(path, open_archive(path, verify=True))
-        source.fields = source.reader.fields
+        source.fields = () if options.no_fields else source.reader.fields
         declared = options.declared_fields
         if declared and not options.auto_fields:
             unknown = [spec.describe() for spec in declared if spec not in source.fields]
