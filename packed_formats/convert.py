@@ -172,9 +172,10 @@ def convert(
             See ``packed_formats.parts``.
         overwrite: replace an archive already at ``dst`` (else ArchiveExistsError).
         fields: the fields to pack with each sample (``FieldSpec``s or ``NAME=KIND`` strings, as
-            ``--field``), or ``["auto"]``: those the source finds in every sample (webdataset members
-            besides image and label).  Each is stored as it is: with fields, ``size`` (a resize the
-            fields would have to follow), ``shard_size`` and ``part`` are refused, for now.
+            ``--field``), "auto" among them for those the source finds in every sample too, or
+            ``["none"]`` for none (not even an archive's own).  A resize (``size``) takes image fields
+            along (nearest neighbour) and refuses array fields; ``shard_size`` and ``part`` refuse fields,
+            for now.
 
     Raises:
         PackedFormatError (bad source, destination inside the source or

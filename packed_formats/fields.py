@@ -29,13 +29,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import codecs
+from .index import field_array
 
 KINDS = ("image", "array", "bytes", "text", "json")
 NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}\Z")
 RESERVED = frozenset({"image", "label", "key", "index", "target"})  # what a sample's dict already holds
 DTYPES = ("uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64", "float16", "float32",
           "float64", "bool")
-ARRAY_PREFIX = "field."  # index arrays of field NAME: "field.NAME.offsets", "field.NAME.crc32"[, ".positions"]
 FIELD_ARRAY = re.compile(r"field\.[A-Za-z][A-Za-z0-9_]{0,63}\.(offsets|crc32|positions)\Z")
 
 
@@ -124,7 +124,7 @@ class FieldSpec:
     @property
     def array_names(self) -> Tuple[str, str]:
         """The index arrays of this field: each sample's offsets into its bytes, and their CRC32s."""
-        return (f"{ARRAY_PREFIX}{self.name}.offsets", f"{ARRAY_PREFIX}{self.name}.crc32")
+        return (field_array(self.name, "offsets"), field_array(self.name, "crc32"))
 
     @property
     def fixed(self) -> bool:
@@ -303,5 +303,5 @@ def check_fields(fields: Sequence[Any]) -> Tuple[FieldSpec, ...]:
 
 def field_arrays(specs: Sequence[FieldSpec]) -> List[str]:
     """The names of every index array the fields ``specs`` may have (positions: in formats that record them)."""
-    return [name for spec in specs for name in spec.array_names + (f"{ARRAY_PREFIX}{spec.name}.positions",)]
+    return [name for spec in specs for name in spec.array_names + (field_array(spec.name, "positions"),)]
 

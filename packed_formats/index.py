@@ -68,9 +68,9 @@ class SampleIndex:
     def field_bytes(self, name: str, i: int) -> Tuple[int, int]:
         """(start, size) of field ``name``'s value of sample i: its offset in the field's flat store, or its
         file position when the field's values lie among the file's records."""
-        offsets = self.fields[f"field.{name}.offsets"]
+        offsets = self.fields[field_array(name, "offsets")]
         start, size = int(offsets[i]), int(offsets[i + 1] - offsets[i])
-        positions = self.fields.get(f"field.{name}.positions")
+        positions = self.fields.get(field_array(name, "positions"))
         return (start if positions is None else int(positions[i])), size
 
     def mapped(self) -> bool:
@@ -84,6 +84,11 @@ class SampleIndex:
 
 
 SAMPLE_ARRAYS = ("labels", "keys", "crc32", "offsets", "positions")
+
+
+def field_array(field: str, what: str) -> str:
+    """The name of field ``field``'s index array ``what`` ("offsets", "crc32" or "positions")."""
+    return f"field.{field}.{what}"
 
 
 class JoinedArray(np.lib.mixins.NDArrayOperatorsMixin):
@@ -459,8 +464,8 @@ class FieldIndexBuilder:
         """Every field's arrays for n samples (once: the builder is empty after)."""
         arrays: Dict[str, np.ndarray] = {}
         for name, (sizes, crcs, places) in self._columns.items():
-            arrays[f"field.{name}.offsets"] = offsets_of(sizes, n)
-            arrays[f"field.{name}.crc32"] = crcs.take(n)
+            arrays[field_array(name, "offsets")] = offsets_of(sizes, n)
+            arrays[field_array(name, "crc32")] = crcs.take(n)
             if places is not None:
-                arrays[f"field.{name}.positions"] = places.take(n)
+                arrays[field_array(name, "positions")] = places.take(n)
         return arrays

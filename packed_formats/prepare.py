@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import io
 import re
 from typing import Any, Optional, Tuple
 
@@ -68,10 +67,7 @@ class Recipe:
         if spec.kind != "image" or self.size is None:
             return value
         image = codecs.open_image(value) if isinstance(value, bytes) else Image.fromarray(np.asarray(value))
-        resized = policy.resize(image, self.size, self.resize_mode, resample=Image.Resampling.NEAREST)
-        out = io.BytesIO()
-        resized.save(out, "PNG")
-        return out.getvalue()
+        return spec.encode(policy.resize(image, self.size, self.resize_mode, resample=Image.Resampling.NEAREST))
 
     def drops_alpha(self, stored: "bytes | np.ndarray") -> bool:
         """Whether making this sample drops a transparency (alpha) channel the source has."""

@@ -40,7 +40,7 @@ from ..errors import (
 )
 from ..fields import FieldSpec, FieldValueError, check_fields
 from ..handles import ProcessLocal, SharedHandle
-from ..index import FieldIndexBuilder, IndexBuilder, SampleIndex, anonymous_array
+from ..index import FieldIndexBuilder, IndexBuilder, SampleIndex, anonymous_array, field_array
 from ..manifest import MODES, ArchiveManifest, new_manifest
 from ..policy import VerifyPolicy, check_verify
 from ..tracebacks import drops_frames
@@ -556,7 +556,7 @@ class Reader:
     def _read_field_checked(self, handle: Handle, name: str, i: int) -> Blob:
         with named_failures(self.path, f"cannot read field {name!r}", index=i, index_data=self.index):
             blob = self.backend.read_field(handle, name, i)
-        crcs = self.index.fields.get(f"field.{name}.crc32")
+        crcs = self.index.fields.get(field_array(name, "crc32"))
         if self.verify is not False and crcs is not None:
             actual, expected = crc32(blob), int(crcs[i])
             if actual != expected:

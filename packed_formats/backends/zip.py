@@ -34,6 +34,7 @@ from __future__ import annotations
 import io
 import mmap
 import os
+import shutil
 import zipfile
 from typing import BinaryIO, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -49,7 +50,7 @@ from ..errors import (
     UnknownFormatError,
 )
 from ..fields import FIELD_ARRAY, field_arrays
-from ..index import Column, SampleIndex, from_npy_bytes
+from ..index import Column, SampleIndex, field_array, from_npy_bytes
 from ..manifest import ArchiveManifest
 from . import index_map, mapped
 from .base import DAMAGED_HINT, Backend, FormatSpec, Handle, Writer
@@ -201,14 +202,11 @@ class ZipWriter(Writer):
             return
         base = self._at
         self._aside.seek(0)
-        while True:
-            chunk = self._aside.read(1 << 20)
-            if not chunk:
-                break
-            self._write(chunk)
+        shutil.copyfileobj(self._aside, self._file, 1 << 20)
+        self._at += self._aside_at
         self._close_aside()
         for spec in self.fields:
-            arrays[f"field.{spec.name}.positions"] += base
+            arrays[field_array(spec.name, "positions")] += base
 
     def _close_aside(self) -> None:
         if self._aside is not None:
@@ -287,8 +285,8 @@ class ZipWriter(Writer):
     def _field_directory(self, index: SampleIndex, name: str) -> Iterator[np.ndarray]:
         """The central directory entries of field ``name``'s members, a chunk at a time."""
         codes = self._field_kinds[name].take()
-        offsets, crcs = index.fields[f"field.{name}.offsets"], index.fields[f"field.{name}.crc32"]
-        positions = index.fields[f"field.{name}.positions"]
+        offsets, crcs = index.fields[field_array(name, "offsets")], index.fields[field_array(name, "crc32")]
+        positions = index.fields[field_array(name, "positions")]
         for first in range(0, len(index), _CENTRAL_CHUNK):
             last = min(len(index), first + _CENTRAL_CHUNK)
             names = np.array([field_member_name(name, i, FIELD_EXTENSIONS[c]).encode()
@@ -395,7 +393,7 @@ class ZipBackend(Backend[ZipHandle]):
 
     def read_field(self, handle: ZipHandle, name: str, i: int) -> bytes:
         handle.check_size()
-        if f"field.{name}.positions" not in self.index.fields:
+        if field_array(name, "positions") not in self.index.fields:
             raise CorruptArchiveError(self.path, f"the index does not say where field {name!r} lies",
                                       hint=DAMAGED_HINT)
         start, size = self.index.field_bytes(name, i)

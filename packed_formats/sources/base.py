@@ -16,7 +16,7 @@ import os
 import posixpath
 import re
 import warnings
-from typing import Any, ClassVar, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, ClassVar, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -90,6 +90,18 @@ class SourceOptions:
     def no_fields(self) -> bool:
         """Whether no field is to be read, not even those an archive carries ("none")."""
         return "none" in self.fields
+
+
+def field_extension(name: str, extensions: Iterable[str], taken: Sequence[Optional[str]] = ()) -> Optional[str]:
+    """Which of a sample's file ``extensions`` (the name's part after its stem: ``seg.png``) field ``name``
+    takes: the extension ``name`` itself, else the first ``name.*`` in name order, never one in ``taken``
+    (the sample's image and label); case does not count.  None when it has none."""
+    lowered = name.lower()
+    candidates = sorted(e for e in extensions if e not in taken
+                        and (e.lower() == lowered or e.lower().startswith(lowered + ".")))
+    exact = [e for e in candidates if e.lower() == lowered]
+    chosen = exact or candidates
+    return chosen[0] if chosen else None
 
 
 class Sample(NamedTuple):

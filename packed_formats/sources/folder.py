@@ -30,7 +30,7 @@ from ..backends.folder import is_image_file, looks_like_image_folder, scan_image
 from ..errors import ArchiveNotFoundError, CorruptSampleError, InvalidSourceError, UnknownFormatError
 from ..fields import FieldSpec, FieldValueError
 from ..index import decode_key, encode_keys
-from .base import Source, SourceOptions
+from .base import Source, SourceOptions, field_extension
 from .layout import DATASET_JSON, dataset_json_layout, looks_like_dataset_json
 
 
@@ -142,8 +142,7 @@ def _with_sidecars(root: str, keys: np.ndarray, labels: np.ndarray, specs: Tuple
         return listing[folder]
 
     def field_of(extension: str) -> bool:
-        lowered = extension.lower()
-        return any(lowered == s.name.lower() or lowered.startswith(s.name.lower() + ".") for s in specs)
+        return any(field_extension(s.name, [extension]) is not None for s in specs)
 
     kept: List[int] = []
     sidecars: Dict[str, List[str]] = {s.name: [] for s in specs}
@@ -156,10 +155,9 @@ def _with_sidecars(root: str, keys: np.ndarray, labels: np.ndarray, specs: Tuple
         there = extensions(folder)[stem]
         found = {}
         for spec in specs:
-            matches = [e for e in there if e != extension and (e.lower() == spec.name.lower()
-                                                                or e.lower().startswith(spec.name.lower() + "."))]
-            if matches:
-                found[spec.name] = posixpath.join(folder, f"{stem}.{matches[0]}")
+            match = field_extension(spec.name, there, (extension,))
+            if match is not None:
+                found[spec.name] = posixpath.join(folder, f"{stem}.{match}")
         lacking = [s.name for s in specs if s.name not in found]
         if lacking:
             error = CorruptSampleError(os.path.join(root, name), f"has no file for field {lacking[0]!r} beside it "

@@ -32,7 +32,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ..errors import ArchiveNotFoundError, CorruptSampleError, InvalidSourceError
 from ..fields import NAME, RESERVED, FieldSpec, FieldValueError
-from .base import Sample, SourceOptions, classes_and_labels, is_junk
+from .base import Sample, SourceOptions, classes_and_labels, field_extension, is_junk
 from .tarfiles import DEFAULT_LABEL_KEY, TarBackedSource, TarListing, TarSamples, member_extension, screen_members
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
@@ -175,13 +175,9 @@ def _field_specs(path: str, listing: TarListing, grouped, options: SourceOptions
 
 
 def _field_member(name: str, found: Dict[str, int], taken: Tuple[Optional[str], str]) -> Optional[int]:
-    """The member of a sample that field ``name`` takes: extension ``name``, else the one ``name.*`` (the
-    first in name order), never the sample's image or label (the extensions ``taken``)."""
-    name = name.lower()
-    if name in found and name not in taken:
-        return found[name]
-    matches = sorted(e for e in found if e.startswith(name + ".") and e not in taken)
-    return found[matches[0]] if matches else None
+    """The member of a sample that field ``name`` takes (``field_extension``), never its image or label."""
+    extension = field_extension(name, found, taken)
+    return None if extension is None else found[extension]
 
 
 def _samples_by_key(listing: TarListing) -> List[Tuple[int, Dict[str, Dict[str, int]]]]:
