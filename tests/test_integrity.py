@@ -119,9 +119,12 @@ def test_a_workers_corrupt_sample_error_is_caught_as_one_in_the_main_process(arc
         byte = file.read(1)
         file.seek(where[1] + 7)
         file.write(bytes([byte[0] ^ 0xFF]))
-    loader = torch.utils.data.DataLoader(pf.PackedDataset(path), batch_size=4, num_workers=2)
+    batches = iter(torch.utils.data.DataLoader(pf.PackedDataset(path), batch_size=4, num_workers=2))
     with pytest.raises(pf.CorruptSampleError, match="bad.zip") as error:
-        list(loader)
+        try:
+            list(batches)
+        finally:  # at once: freed later by the collector (the error's traceback holds it), torch's iterator
+            batches._shutdown_workers()  # waits 5 s a worker for workers it can no longer stop
     assert "index 3" in str(error.value) and "checksum mismatch" in str(error.value)
     if sys.version_info >= (3, 11):  # the fields cross in a note of the traceback text
         with pf.open_archive(archives[("zip", "raw")]) as reader:

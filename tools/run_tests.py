@@ -115,8 +115,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     # the beside stream writes to a file, shown at the end (two streams on one terminal would interleave)
     with tempfile.TemporaryFile("w+") as log:
+        # at a lower priority: it mostly waits, and the CPU it does use (a store server's) would otherwise be
+        # taken from the other two, which use all of it
         waiting = subprocess.Popen(command(beside, marks_b, options_b, extra), cwd=ROOT, stdout=log,
-                                   stderr=subprocess.STDOUT)
+                                   stderr=subprocess.STDOUT, preexec_fn=lambda: os.nice(10))
         def time_beside() -> None:  # when the beside stream ends, not when it is asked after the serial pass
             waiting.wait()
             seconds[beside] = time.monotonic() - start
