@@ -29,6 +29,7 @@ from .dataset import PackedDataset
 from .device import CudaPrefetcher, copy_then_transform, resolve_device
 from .device_decode import DeviceDecoder, check_decoder
 from .errors import DataLoaderWorkerError, PackedFormatError
+from .field_batches import BatchFields, refuse_batch_transforms
 from .memory import SlotPool
 from .policy import (
     ON_ERROR,
@@ -245,7 +246,8 @@ class PackedLoader:
             # in flight when they stopped) neither block nor mislead them
             self.batch_reader.pool = SlotPool(self.dataloader.num_workers, min_bytes=pool.min_bytes)
         numbers: List[int] = []  # the place in this rank's share of each batch handed on
-        indices: Deque[torch.Tensor] = deque()  # the sample indices of the batches not yet handed out
+        # the sample indices of the batches not yet handed out, and their fields (``BatchFields.pack``) or None
+        indices: Deque[Tuple[torch.Tensor, Any]] = deque()
         workers = iter(self.dataloader)
         if isinstance(self.batch_reader.pool, BatchSlots):
             self._pass_slots[workers] = self.batch_reader.pool
@@ -314,7 +316,7 @@ class PackedLoader:
         return self._pass
 
     def _host_batches(self, batches: Iterator, first: int, numbers: List[int],
-                      indices: Deque[torch.Tensor]) -> Iterator[Batch]:
+                      indices: Deque[Tuple[torch.Tensor, Any]]) -> Iterator[Batch]:
         try:
             for number, item in enumerate(_naming_dead_workers(batches, self.reader.path), first):
                 if isinstance(item, FailedBatch):
@@ -324,30 +326,45 @@ class PackedLoader:
                         raise error
                     finally:  # no reference from this frame to the error, whose traceback holds the frame: a
                         del error  # cycle would keep the DataLoader and its workers alive until the collector runs
-                images, labels, skipped, index = item
+                images, labels, skipped, index, *fields = item
                 del item
                 if skipped:
                     self._warn(skipped)
                 if len(labels):
                     numbers.append(number)
-                    indices.append(index)
+                    indices.append((index, fields[0] if fields else None))
                     yield images, labels
                 del images, labels, index  # a batch the caller dropped gives its slot back at once
         finally:
             self._pass_left(batches)
 
     def _handed_out(self, batches: Iterator[Batch], position: EpochPosition, numbers: List[int],
-                    indices: Deque[torch.Tensor]) -> Iterator[Tuple[torch.Tensor, ...]]:
+                    indices: Deque[Tuple[torch.Tensor, Any]]) -> Iterator[Any]:
         """``batches``, counting in ``position`` those handed to the caller (not those merely prefetched),
         with their samples' indices (on the CPU) when ``return_index``.
 
         A pass left early (a ``break``) keeps its count: its state is the rest of its epoch.
         """
+        fields = self.batch_reader.fields
         for k, batch in enumerate(batches):
             position.done = numbers[k] + 1  # batches left empty by skipped samples count as done
-            index = indices.popleft()  # batches come out in the order they went in, prefetched or not
-            yield (*batch, index) if self.return_index else batch
+            index, packed = indices.popleft()  # batches come out in the order they went in, prefetched or not
+            if fields is not None:
+                yield self._as_dict(fields, batch, packed, index)
+            else:
+                yield (*batch, index) if self.return_index else batch
         position.done = self.sampler.split_batches(position.start)
+
+    def _as_dict(self, fields: BatchFields, batch: Tuple[torch.Tensor, ...], packed: Any,
+                 index: torch.Tensor) -> Dict[str, Any]:
+        """A batch with fields as the dict it is handed out as: ``image``, ``label``, each field (on the
+        batch's device; see ``field_batches``), and ``index`` when ``return_index``."""
+        images, labels = batch[0], batch[1]
+        out: Dict[str, Any] = {"image": images, "label": labels}
+        out.update(fields.unpack(packed, (int(images.shape[-2]), int(images.shape[-1])), images.device))
+        if self.return_index:
+            out["index"] = index
+        return out
 
     def _warn(self, skipped: Sequence[Skipped]) -> None:
         self.skipped.extend(skipped)
@@ -462,6 +479,7 @@ def make_loader(
     cache_limit: "int | str | None" = None,
     storage_options: Optional[Dict[str, Any]] = None,
     registered_slots: bool = False,
+    fields: "Sequence[str] | Mapping[str, str] | None" = None,
 ) -> PackedLoader:
     """A fast loader of whole ``(images, labels)`` batches from an archive.
 
@@ -539,6 +557,17 @@ def make_loader(
             host copy of every batch).  Off by default.  For the CPU, batches always arrive in
             such slots (``slots``): the main process maps each once and receives a batch as its
             slot's number, the tensors it hands on views of the slot.
+        fields: sample fields each batch carries besides images and labels (``PackedDataset``'s
+            ``fields``: names, or ``{name: role}`` with roles "value", "mask", "image" and
+            "boxes:XYXY"/"XYWH"/"CXCYWH").  Batches are then dicts: ``image`` and ``label`` as
+            always, masks and other fixed-shape fields stacked (``[B,H,W]``), variable-length ones
+            (boxes, points) as lists of each sample's tensor, text and JSON as lists, and ``index``
+            with ``return_index``.  Masks, second views and boxes are cut with their image: by the
+            crop a crop-first transform makes while decoding, and by ``size``.  The transform is
+            then a torchvision v2 transform given each sample's dict of tv_tensors after that crop
+            (what follows the crop: flips, colour), so that it moves masks and boxes with the image;
+            it runs in the workers whatever the device, which then gets finished batches.
+            Without ``fields`` no field byte is read.
 
     Images are uint8 [B,C,H,W] unless the transform changes them; labels are
     int64 [B] unless a transform that takes labels changes them.
@@ -560,23 +589,25 @@ def make_loader(
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
     if not isinstance(registered_slots, bool):
         raise ValueError(f"registered_slots must be True or False, got {registered_slots!r}")
-    if memory_format == torch.channels_last:  # the final normalisation writes it: no second float copy
-        transform = with_memory_format(transform, memory_format)
+    if memory_format == torch.channels_last and fields is None:  # the final normalisation writes it: no second
+        transform = with_memory_format(transform, memory_format)  # float copy
     asked = torch.device(device)
     device = resolve_device(asked)  # ValueError now when CUDA is asked for and absent
     reader = _open_reader(source, format, verify, cache_dir=cache_dir, cache_limit=cache_limit,
                           storage_options=storage_options)
     decode_size = _check_size(reader, size)
+    batch_fields = _batch_fields(reader, fields, transform, decode)
     if (rank is None) != (world_size is None):
         raise ValueError("give both rank and world_size, or neither")
     placement = None if rank is None or world_size is None else (int(rank), int(world_size))
     if placement is not None and not 0 <= placement[0] < placement[1]:
         raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
     rank, world = placement or (0, 1)  # torch.distributed's is taken when an epoch starts: PackedLoader._find_rank
-    send = _what_workers_send(reader, decode, device, transform, decode_size)
+    send = "batches" if batch_fields else _what_workers_send(reader, decode, device, transform, decode_size)
     if send == "bytes":
         check_decoder()
-    on_cpu = device.type == "cpu" and send == "batches"  # whether the workers make the batches whole
+    # whether the workers make the batches whole (with fields they do, for any device)
+    on_cpu = (device.type == "cpu" or batch_fields is not None) and send == "batches"
     sampler = BatchSampler(len(reader), batch_size, shuffle, drop_last, seed, rank, world, window=window,
                            starts=reader.part_starts)
     if isinstance(reader.backend, storage.RemoteSetBackend):
@@ -589,7 +620,7 @@ def make_loader(
         on_error=on_error, seed=seed, rank=rank, pin=device.type == "cuda" and num_workers == 0,
         pool=_worker_slots(num_workers, device, registered_slots, reader.path),
         memory_format=memory_format if on_cpu else None,  # another device converts the batch there, cheaply
-        send=send,
+        send=send, fields=batch_fields,
     )
     rest = transform  # what runs on the device: all of it, or what follows a crop the workers draw
     if send != "batches" and batch_reader.at_decode is not None:
@@ -611,6 +642,18 @@ def make_loader(
         dataset=source if isinstance(source, PackedDataset) else None,
         decoder=DeviceDecoder(reader, memory_format) if send != "batches" else None,
     )
+
+
+def _batch_fields(reader: Reader, fields: "Sequence[str] | Mapping[str, str] | None", transform: Optional[Callable],
+                  decode: str) -> Optional[BatchFields]:
+    """The fields ``make_loader`` was asked for (None: none); ValueError for what cannot take them."""
+    if fields is None:
+        return None
+    if decode == "device":
+        raise ValueError("fields are read, cut and transformed in the workers: decode='device' does not take them")
+    split = split_at_decode(transform) if reader.mode != "raw" else None
+    refuse_batch_transforms(transform if split is None else split[1])
+    return BatchFields(reader.fields, fields)
 
 
 def _worker_slots(num_workers: int, device: torch.device, registered: bool,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import traceback
-from typing import Callable, Iterator, List, NamedTuple, Optional, Sequence, Tuple, cast
+from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Sequence, Tuple, cast
 
 import numpy as np
 import torch
@@ -25,6 +25,7 @@ from . import codecs, device_decode, memory, policy
 from .backends.base import Reader
 from .device_decode import EncodedBatch
 from .errors import CorruptSampleError, PackedFormatError
+from .field_batches import BatchFields, Where, apply_per_sample
 from .handles import ProcessLocal
 from .memory import SentBatch, SlotPool
 from .policy import Skipped
@@ -33,8 +34,8 @@ from .slots import BatchSlots
 from .transforms import apply_with_labels
 from .transforms.at_decode import CropAtDecode, split_at_decode
 
-# (images, labels, left out, indices)
-Item = Tuple["SentBatch | EncodedBatch", torch.Tensor, Tuple[Skipped, ...], torch.Tensor]
+# (images, labels, left out, indices), and with fields the batch's fields (``BatchFields.pack``)
+Item = Tuple[Any, ...]
 
 
 class FailedBatch(NamedTuple):
@@ -82,6 +83,9 @@ class BatchReader(torch.utils.data.Dataset):
             decoded and cut here) or "crops" (``EncodedBatch``es of images decoded and cut here,
             for a device that does the rest).  With "bytes" or "crops" the transform is only
             read for its first crop.
+        fields: the sample fields each batch carries too (``field_batches``): read for the samples
+            the batch keeps, cut with their images, and transformed with them per sample (the
+            transform then a torchvision v2 transform of a sample's dict).
 
     Pickles as its reader's description (path, index), never an open handle.
     """
@@ -100,9 +104,10 @@ class BatchReader(torch.utils.data.Dataset):
         pool: "SlotPool | BatchSlots | None" = None,
         memory_format: Optional[torch.memory_format] = None,
         send: str = "batches",
+        fields: Optional[BatchFields] = None,
     ) -> None:
         self.reader, self.size, self.transform, self.memory_format = reader, size, transform, memory_format
-        self.resize_mode = resize_mode
+        self.resize_mode, self.fields = resize_mode, fields
         self.on_error, self.seed, self.rank, self.pin, self.pool = on_error, seed, rank, pin, pool
         # an encoded archive with no decode size does the transform's first crop while decoding
         self.at_decode = split_at_decode(transform) if reader.mode != "raw" and size is None else None
@@ -124,14 +129,14 @@ class BatchReader(torch.utils.data.Dataset):
             try:
                 if isinstance(self.pool, BatchSlots):  # the whole batch in this worker's slots, sent as their numbers
                     return self.pool.hand_back(self._batch(plan), self.reader.path)
-                images, labels, skipped, indices = self._batch(plan)
+                images, labels, skipped, indices, *fields = self._batch(plan)
                 sent: "SentBatch | EncodedBatch"
                 if isinstance(images, torch.Tensor):
                     sent = self.pool.send(images)
                 else:  # the JPEG bytes and the crops cut here go in slots too (a slot unpickles as its tensor)
                     data, host = (cast(torch.Tensor, self.pool.send(t)) for t in (images.data, images.host))
                     sent = images._replace(data=data, host=host)
-                return memory.hand_back((sent, labels, skipped, indices), self.reader.path)
+                return memory.hand_back((sent, labels, skipped, indices, *fields), self.reader.path)
             finally:
                 self.pool.end_batch()
         except PackedFormatError as exc:
@@ -139,8 +144,7 @@ class BatchReader(torch.utils.data.Dataset):
                 raise
             return FailedBatch(exc, traceback.format_exc())
 
-    def _batch(self, plan: BatchPlan) -> Tuple["torch.Tensor | EncodedBatch", torch.Tensor, Tuple[Skipped, ...],
-                                               torch.Tensor]:
+    def _batch(self, plan: BatchPlan) -> Item:
         idx = self.reader.check_indices(plan.indices)
         transform, seed, generator = self.transform, 0, None
         if transform is not None:  # the batch's randomness: crops at decode draw from it first
@@ -150,23 +154,67 @@ class BatchReader(torch.utils.data.Dataset):
             encoded, kept, skipped = self._for_device(idx, generator)
             labels = torch.from_numpy(np.ascontiguousarray(self.reader.labels[idx[kept]]))
             return encoded, labels, tuple(s[1] for s in skipped), encoded.indices
+        wheres: List[Optional[Where]] = [None] * len(idx)
         if self.reader.mode == "raw":
             images, skipped = self._read_raw(idx)
         elif self.at_decode is not None:
             crop, transform = self.at_decode
-            images, skipped = self._read_encoded(idx, crop, generator)
+            images, skipped, wheres = self._read_encoded(idx, crop, generator)
         else:
-            images, skipped = self._read_encoded(idx)
+            images, skipped, wheres = self._read_encoded(idx)
+        if self.fields is not None:  # their values next, a sample whose fields fail left out as one whose image does
+            values = self._read_fields(idx, wheres, skipped)
         keep = np.setdiff1d(np.arange(len(idx)), [s[0] for s in skipped]) if skipped else None
         images = images.permute(0, 3, 1, 2)  # [B,C,H,W] view, channels last in memory
         if keep is not None:
             images = images[torch.from_numpy(keep)]
             idx = idx[keep]
         labels = torch.from_numpy(np.ascontiguousarray(self.reader.labels[idx]))
+        if self.fields is not None:
+            kept_values = [values[j] for j in (range(len(values)) if keep is None else keep.tolist())]
+            return self._with_fields(images, labels, idx, kept_values, skipped, transform, seed)
         if transform is not None and generator is not None:
             images, labels = self._transform(transform, images, labels, seed, generator)
         images = self._in_layout(images)
         return images, labels, tuple(s[1] for s in skipped), torch.from_numpy(np.array(idx, dtype=np.int64))
+
+    def _read_fields(self, idx: np.ndarray, wheres: Sequence[Optional[Where]], skipped: Bad) -> List[Any]:
+        """Each sample's fields (``BatchFields.read``), None for a sample already left out; with on_error="skip"
+        one whose fields fail is left out too (noted in ``skipped``)."""
+        fields, left_out = cast(BatchFields, self.fields), {j for j, _ in skipped}
+        values: List[Any] = []
+        for j, (i, where) in enumerate(zip(idx.tolist(), wheres)):
+            value = None
+            if j not in left_out:
+                try:
+                    value = fields.read(self.reader, i, where)
+                except CorruptSampleError as exc:
+                    if self.on_error == "raise":
+                        raise
+                    skipped.append((j, self._skipped(exc, i)))
+            values.append(value)
+        skipped.sort(key=lambda s: s[0])
+        return values
+
+    def _with_fields(self, images: torch.Tensor, labels: torch.Tensor, idx: np.ndarray, values: List[Any],
+                     skipped: Bad, transform: Optional[Callable], seed: int) -> Item:
+        """The batch with its fields: the transform (a v2 transform of each sample's dict) run on each
+        sample, then the fields packed to leave as few tensors (``BatchFields.pack``)."""
+        fields = cast(BatchFields, self.fields)
+        if transform is not None:  # v2 transforms draw from torch's global generator: seeded by the batch
+            if torch.utils.data.get_worker_info() is not None:
+                seed_globals(seed ^ 0x5EED)
+                images, values = apply_per_sample(transform, fields, images, labels, values)
+            else:  # in the main process without touching its own generator's state
+                with torch.random.fork_rng(devices=[]), one_torch_thread():
+                    torch.manual_seed(seed ^ 0x5EED)
+                    images, values = apply_per_sample(transform, fields, images, labels, values)
+        try:
+            packed = fields.pack(values)
+        except ValueError as exc:
+            raise PackedFormatError(self.reader.path, str(exc)) from None
+        return (self._in_layout(images), labels, tuple(s[1] for s in skipped),
+                torch.from_numpy(np.array(idx, dtype=np.int64)), packed)
 
     def _transform(self, transform: Callable, images: torch.Tensor, labels: torch.Tensor, seed: int,
                    generator: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -259,11 +307,21 @@ class BatchReader(torch.utils.data.Dataset):
     # ---- encoded ----
     def _read_encoded(
         self, idx: np.ndarray, crop: Optional[CropAtDecode] = None, generator: Optional[torch.Generator] = None
-    ) -> Tuple[torch.Tensor, Bad]:
-        """Decode the batch: each image whole (resized to ``size`` if given), or only ``crop``'s box of it."""
+    ) -> Tuple[torch.Tensor, Bad, List[Optional[Where]]]:
+        """Decode the batch: each image whole (resized to ``size`` if given), or only ``crop``'s box of it.
+        With fields, also where each image came from (the box of its stored image, its stored size, the
+        output size: the same cut applies to its masks), None for an image taken as stored."""
         found, skipped = self._encoded_blobs(idx)
         blobs = list(found)
         crops = None if crop is None else self._crop_plan(crop, idx, blobs, skipped, generator)
+        wheres: List[Optional[Where]] = [None] * len(idx)
+        if self.fields is not None and (crops is not None or self.size is not None):
+            if crops is not None:
+                boxes, sizes, out = crops
+            else:  # resized whole: the box its resize mode keeps
+                sizes, out = self._stored_sizes(idx, blobs, skipped), cast(Tuple[int, int], self.size)
+                boxes = device_decode.resize_boxes(sizes, out, self.resize_mode)
+            wheres = [((b[0], b[1], b[2], b[3]), (s[0], s[1]), out) for b, s in zip(boxes.tolist(), sizes.tolist())]
         buffer = None
         for j, (i, blob) in enumerate(zip(idx.tolist(), blobs)):
             pixels = None if blob is None else self._decoded(blob, i, j, crops, skipped)
@@ -275,7 +333,7 @@ class BatchReader(torch.utils.data.Dataset):
         if buffer is None:  # every sample was bad
             h, w = self.size or (0, 0)
             buffer = self._new_buffer((len(idx), h, w, self.channels))
-        return buffer, sorted(skipped)
+        return buffer, sorted(skipped), wheres
 
     def _encoded_blobs(self, idx: np.ndarray) -> Tuple[Sequence[Optional[bytes]], Bad]:
         """The stored bytes of idx; with on_error="skip", None where a read fails."""
