@@ -676,8 +676,14 @@ def _signals_interrupt() -> Iterator[None]:
         return
     names = ("SIGINT", "SIGTERM", "SIGHUP")
     signals = [getattr(signal, n) for n in names if hasattr(signal, n)]
+    owner = os.getpid()
 
     def interrupt(signum, _frame):
+        if os.getpid() != owner:  # a worker forked from here, hit before its own handlers are set (a Ctrl-C
+            if signum != signal.SIGINT:  # reaches the whole process group): SIGINT it ignores, as its
+                signal.signal(signum, signal.SIG_DFL)  # initializer says; the others end it as they would
+                os.kill(os.getpid(), signum)
+            return
         for s in signals:
             signal.signal(s, signal.SIG_IGN)
         raise ConversionInterrupted(signum)

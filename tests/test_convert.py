@@ -8,6 +8,7 @@ import multiprocessing
 import os
 import pickle
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -522,3 +523,24 @@ def test_sharded_dataset_pickles_as_a_description_and_reads_the_same(tmp_path, i
     dataset[20]  # opens handles in this process; they must not travel
     clone = pickle.loads(pickle.dumps(dataset))
     assert all(np.array_equal(clone[i][0], dataset[i][0]) for i in range(N))
+
+
+def _signal_self(signum: int) -> None:
+    os.kill(os.getpid(), signum)
+    time.sleep(0.2)  # where the handler would have raised
+
+
+@pytest.mark.parametrize("name,exitcode", [("SIGINT", 0), ("SIGTERM", -signal.SIGTERM)])
+def test_a_signal_reaching_a_worker_forked_before_its_handlers_are_set_is_no_traceback(name, exitcode):
+    """A Ctrl-C reaches the whole process group, also a conversion worker forked that instant: before its
+    initializer runs it still has the conversion's handler.  There the handler does what the worker's own
+    would: SIGINT ignored (the main process stops the conversion), the others end it, no traceback."""
+    import multiprocessing
+
+    from packed_formats.convert import _signals_interrupt
+
+    with _signals_interrupt():
+        child = multiprocessing.get_context("fork").Process(target=_signal_self, args=(getattr(signal, name),))
+        child.start()
+        child.join(30)
+    assert child.exitcode == exitcode
