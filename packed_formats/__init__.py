@@ -4,7 +4,8 @@ load them into PyTorch fast and safely with any number of DataLoader workers."""
 __version__ = "0.1.0"
 
 from . import backends as _backends
-from .backends import detect_format, open_archive, open_writer
+from .archives import open_archive
+from .backends import detect_format, open_writer
 from .backends.base import FormatSpec, Reader, Writer
 from .convert import ConvertSummary, convert
 from .doctor import diagnose

@@ -19,7 +19,8 @@ import torch
 from PIL import Image
 
 from . import codecs, policy, sample_fields
-from .backends import open_archive, sniff_format
+from .archives import open_archive
+from .backends import sniff_format
 from .backends.base import Reader
 from .backends.folder import IMAGE_EXTENSIONS
 from .errors import ArchiveNotFoundError, PackedFormatError, SampleIndexError, note_fields

@@ -261,7 +261,8 @@ def torch_info() -> Dict[str, Any]:
 # ---- the archive ----------------------------------------------------------------------------
 def archive_summary(path: str) -> Optional[Dict[str, Any]]:
     """The manifest summary when ``path`` is an archive (or image folder), else None."""
-    from .backends import detect_format, open_archive
+    from .archives import open_archive
+    from .backends import detect_format
     from .space import disk_usage
 
     try:

@@ -22,7 +22,7 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional
 import torch
 
 from . import slots, storage
-from .backends import open_archive
+from .archives import open_archive
 from .backends.base import Reader
 from .backends.sharded import given_max_open_parts
 from .dataset import PackedDataset

@@ -410,7 +410,7 @@ def join(dst: str, require_all: bool = True) -> Optional[str]:
     """Publish the index of the set at ``dst`` once every part is sealed; return its path (None when parts
     are missing and not ``require_all``).  Refusals (IncompleteArchiveError, CorruptArchiveError,
     ArchiveExistsError) leave nothing at ``dst``."""
-    from .backends import open_archive
+    from .archives import open_archive
 
     state = inspect(dst)
     if state.missing:

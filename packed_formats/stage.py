@@ -30,7 +30,8 @@ from contextlib import contextmanager
 from typing import Iterator, List, Optional, Tuple
 
 from . import storage
-from .backends import PACKED_FORMATS, detect_format, open_archive
+from .archives import open_archive
+from .backends import PACKED_FORMATS, detect_format
 from .backends.base import Reader, publish, remove_path
 from .backends.sharded import read_shard_index
 from .errors import (

@@ -10,7 +10,7 @@ from typing import Dict, List, Optional
 from tqdm import tqdm
 
 from . import codecs
-from .backends import open_archive
+from .archives import open_archive
 from .errors import CorruptSampleError
 
 STRUCTURE_CHUNK = 4096  # samples whose records in the format's structure are checked at once

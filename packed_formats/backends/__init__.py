@@ -7,7 +7,7 @@ Adding a format is one module exporting a ``SPEC`` and one line in ``SPECS``
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Tuple, Type
+from typing import Dict, List, Optional, Tuple, Type
 
 from ..errors import (
     ArchiveNotFoundError,
@@ -159,33 +159,12 @@ def detect_format(path: "str | os.PathLike[str]", expected: Optional[str] = None
 
 
 @drops_frames  # a kept error of a failed open must not keep the half-made Reader (and its parts) alive
-def open_archive(
+def open_local(
     path: "str | os.PathLike[str]", format: Optional[str] = None, verify: VerifyPolicy = True,
-    *, max_open_parts: Optional[int] = None, cache_dir: "str | os.PathLike[str] | None" = None,
-    cache_limit: "int | str | None" = None, storage_options: Optional[Dict[str, Any]] = None,
+    *, max_open_parts: Optional[int] = None,
 ) -> Reader:
-    """Open any archive (format auto-detected) as a Reader.
-
-    ``path``: the archive (a file, a directory, or a sharded archive's index).
-    ``format``: insist on this format (FormatMismatchError otherwise).  ``verify``:
-    check each sample's CRC32 on every read (True), the first time each process
-    reads it ("once"), or never (False).  ``max_open_parts``: how
-    many parts of a sharded archive each process keeps open at once (default:
-    ``PF_MAX_OPEN_PARTS``, else from the open-file limit; see ``backends.sharded``).
-
-    A URL (``s3://bucket/train.zip``, ``gs://...``, ``https://...``) opens a set or archive in
-    object storage, read through the node-local cache of its parts (``packed_formats.storage``):
-    ``cache_dir`` (default ``PF_CACHE_DIR``, else under ``$TMPDIR``), ``cache_limit`` (bytes or a
-    size like "200GB"; default ``PF_CACHE_LIMIT``, else none) and ``storage_options`` (given to
-    fsspec's file system; credentials otherwise come from the protocol's usual configuration).
-    """
-    from .. import storage
-
-    if storage.is_remote(path):
-        return storage.open_remote(
-            str(path), verify=verify, cache_dir=None if cache_dir is None else os.fspath(cache_dir),
-            cache_limit=cache_limit, storage_options=storage_options, max_open_parts=max_open_parts, format=format,
-        )
+    """Open an archive on a local (or mounted) file system as a Reader; ``packed_formats.open_archive``
+    (``archives``) takes URLs too.  ``format``, ``verify`` and ``max_open_parts`` as there."""
     reader = Reader(path, spec(detect_format(path, format)).backend, verify=verify)
     sharded.limit_open_parts(reader, max_open_parts)
     return reader
@@ -208,7 +187,7 @@ __all__ = [
     "detect_format",
     "folder_denied",
     "not_found",
-    "open_archive",
+    "open_local",
     "open_writer",
     "register",
     "sniff_format",

@@ -132,7 +132,7 @@ def h2d_rate(device: torch.device, batch: int, repeats: int, copies: int) -> Dic
 
 def jpeg_batches(path: str, batch: int) -> List[List[torch.Tensor]]:
     """The encoded archive's JPEG bytes, as lists of 1-D uint8 CPU tensors of ``batch`` images."""
-    from ..backends import open_archive
+    from ..archives import open_archive
 
     with open_archive(path) as reader:
         blobs = [torch.frombuffer(bytearray(reader.read(i)), dtype=torch.uint8) for i in range(len(reader))]

@@ -9,7 +9,8 @@ import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-from ..backends import detect_format, open_archive
+from ..archives import open_archive
+from ..backends import detect_format
 from ..errors import PackedFormatError
 from . import environment, loaders, measure, references
 from .tensordict_memmap import tutorial_loader

@@ -330,7 +330,7 @@ def probe_write(args: Dict[str, Any]) -> Dict[str, Any]:
 
 def probe_open(args: Dict[str, Any]) -> Dict[str, Any]:
     """Open the archive and read one sample; the time, the memory it adds and the index's size."""
-    from ..backends import open_archive
+    from ..archives import open_archive
 
     reset = reset_peak()
     before = {field: status_bytes(field) for field in ("VmRSS", "RssAnon", "RssFile")}

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Sequence
 import numpy as np
 
 from .. import storage
-from ..backends import open_archive
+from ..archives import open_archive
 from ..sources import detect_source, open_source
 from ..sources.layout import DATASET_JSON
 from ..space import disk_usage, human_bytes

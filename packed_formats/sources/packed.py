@@ -14,7 +14,8 @@ from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
-from ..backends import open_archive, sniff_format
+from ..archives import open_archive
+from ..backends import sniff_format
 from ..backends.base import Reader
 from ..errors import InvalidSourceError
 from .base import Data, Source, SourceOptions

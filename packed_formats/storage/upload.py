@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from ..backends import detect_format, open_archive
+from ..backends import detect_format, open_local
 from ..backends.sharded import index_text, read_shard_index
 from .remote import Store
 from .urls import basename, clean_url, join
@@ -84,7 +84,7 @@ def _plain(keys: np.ndarray) -> np.ndarray:
 
 def _samples_npz(path: str) -> "tuple[bytes, str]":
     """The set's sample index as the bytes of an uncompressed .npz, and its manifest's JSON text."""
-    with open_archive(path, verify=False) as reader:
+    with open_local(path, verify=False) as reader:
         backend: Any = reader.backend
         arrays: Dict[str, np.ndarray] = {
             "labels": np.asarray(reader.index.labels, dtype=np.int64),
