@@ -26,7 +26,7 @@ import torch
 from . import codecs, policy
 from .backends.base import Reader
 from .fields import FieldSpec
-from .sample_fields import field_value, mask_array, parse_roles, uses_tv_tensors, variable
+from .sample_fields import field_value, image_output, mask_array, parse_roles, variable
 
 # Where a sample's image came from: (top, left, height, width) of the stored image, its stored
 # (width, height), and the output (height, width) that box was resized to.
@@ -49,7 +49,6 @@ class BatchFields:
         self.roles: Dict[str, str] = roles
         self.specs: Dict[str, FieldSpec] = {name: by_name[name] for name in roles}
         self.lists = tuple(variable(roles, specs))
-        self.tv_tensors = uses_tv_tensors(roles)
 
     def read(self, reader: Reader, i: int, where: Optional[Where]) -> Dict[str, Any]:
         """Sample i's fields, each as its role asks (numpy arrays for pictures and arrays), the pictures
@@ -166,12 +165,12 @@ def cut_mask(mask: np.ndarray, where: Optional[Where]) -> np.ndarray:
 
 def cut_view(data: bytes, where: Optional[Where]) -> np.ndarray:
     """A second view (an encoded image field) as HxWxC uint8, cut and resized as its image was (the same
-    decode-and-crop, bilinear); whole when ``where`` is None.  ValueError when it is not its image's size."""
+    decode-and-crop, bilinear); whole when ``where`` is None, as a dataset gives it (``image_output``).
+    ValueError when it is not its image's size."""
+    if where is None:
+        return image_output(data, "numpy")
     image = codecs.open_image(data)
     channels = 1 if image.mode in ("1", "L", "I;16", "I;16B", "I;16L", "I") else 3  # grey stays grey, the rest RGB
-    if where is None:
-        pixels = np.asarray(codecs.to_8bit(image).convert("L" if channels == 1 else "RGB"))
-        return np.array(pixels[:, :, None] if pixels.ndim == 2 else pixels)
     box, stored, size = where
     if tuple(image.size) != tuple(stored):
         raise ValueError(f"an image of {image.size[0]}x{image.size[1]} beside its sample's image of "

@@ -603,7 +603,7 @@ def make_loader(
     if placement is not None and not 0 <= placement[0] < placement[1]:
         raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
     rank, world = placement or (0, 1)  # torch.distributed's is taken when an epoch starts: PackedLoader._find_rank
-    send = "batches" if batch_fields else _what_workers_send(reader, decode, device, transform, decode_size)
+    send = "batches" if batch_fields is not None else _what_workers_send(reader, decode, device, transform, decode_size)
     if send == "bytes":
         check_decoder()
     # whether the workers make the batches whole (with fields they do, for any device)
