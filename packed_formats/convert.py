@@ -174,8 +174,8 @@ def convert(
         fields: the fields to pack with each sample (``FieldSpec``s or ``NAME=KIND`` strings, as
             ``--field``), "auto" among them for those the source finds in every sample too, or
             ``["none"]`` for none (not even an archive's own).  A resize (``size``) takes image fields
-            along (nearest neighbour) and refuses array fields; ``shard_size`` and ``part`` refuse fields,
-            for now.
+            along (nearest neighbour) and refuses array fields.  Each part of a set (``shard_size``,
+            ``part``) holds its samples' fields.
 
     Raises:
         PackedFormatError (bad source, destination inside the source or
@@ -214,7 +214,7 @@ def convert(
         allow_pickle=allow_pickle, on_error=on_error, fields=fields,
     )
     try:
-        _check_fields_fit(shown, source.fields, size, shard_size, part)
+        _check_fields_fit(shown, source.fields, size)
         recipe = _recipe(source, mode, size, resize_mode, encoding, quality)
         if part is not None:
             with _signals_interrupt():
@@ -359,15 +359,9 @@ def _append_all(results: Iterator[Any], source: Source, output: Any, on_error: s
     return failed
 
 
-def _check_fields_fit(shown: str, fields: Sequence[FieldSpec], size: Any, shard_size: Optional[int],
-                      part: Any) -> None:
-    """ValueError when the source's fields cannot go where the options send them (yet): into a set of parts,
-    or through a resize an array field (boxes, points) cannot follow; image fields are resized with the image."""
-    if not fields:
-        return
-    described = ", ".join(f.describe() for f in fields)
-    if shard_size or part is not None:
-        raise ValueError(f"{shown} has fields ({described}): a set of parts (shard_size, part) does not take them yet")
+def _check_fields_fit(shown: str, fields: Sequence[FieldSpec], size: Any) -> None:
+    """ValueError when the source's fields cannot go where the options send them: through a resize an array
+    field (boxes, points) cannot follow; image fields are resized with the image."""
     arrays = [f.describe() for f in fields if f.kind == "array"]
     if size is not None and arrays:
         raise ValueError(f"{shown} has the array field {arrays[0]}, whose values cannot follow a resize of the "

@@ -114,6 +114,10 @@ class SourceRange(Source):
                          skipped=source.skipped, failed=source.failed if start == 0 else [], layout=source.layout)
         self.source, self.start = source, start
         self.random_access = source.random_access
+        self.fields = source.fields
+
+    def load_fields(self, i: int) -> Dict[str, Any]:
+        return self.source.load_fields(self.start + i)
 
     def location(self, i: int) -> str:
         return self.source.location(self.start + i)
@@ -235,6 +239,7 @@ def make_plan(source: Source, format: str, recipe: Any, on_error: str, shard_siz
         "size": None if recipe.size is None else list(recipe.size), "resize_mode": recipe.resize_mode,
         "encoding": recipe.encoding, "quality": recipe.quality, "on_error": on_error, "shard_size": shard_size,
         "slots": slot_count(len(source), shard_size), "tasks": tasks,
+        **({"fields": [spec.describe() for spec in source.fields]} if source.fields else {}),
     }
 
 

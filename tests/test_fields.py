@@ -410,13 +410,11 @@ def test_a_member_that_is_no_value_of_its_field_is_named_or_skipped(tmp_path, ch
         assert [reader.read_field(i, "txt") for i in range(5)] == [f"caption {i}" for i in (0, 1, 2, 4, 5)]
 
 
-def test_fields_are_refused_where_they_cannot_be_packed_yet(tmp_path):
+def test_fields_are_refused_where_they_cannot_be_packed(tmp_path):
     shard = write_shard(tmp_path / "shard-001.tar")
     with pytest.raises(ValueError, match="array field boxes=array:float32\\[N,4\\], whose values cannot follow"):
         pf.convert(shard, tmp_path / "a.zip", fields=["seg=image", "boxes=array:float32[N,4]"], mode="raw", size=8,
                    quiet=True)
-    with pytest.raises(ValueError, match="a set of parts"):
-        pf.convert(shard, tmp_path / "a.zip", fields=["seg=image"], shard_size=2, quiet=True)
     with pytest.raises(pf.InvalidSourceError, match="arrays: declare"):
         pf.convert(shard, tmp_path / "a.zip", fields=["auto"], quiet=True)
     import tarfile
@@ -589,7 +587,7 @@ def test_files_beside_a_folders_images_are_their_fields(tmp_path):
         assert len(reader) == 12
 
 
-def test_a_set_whose_parts_have_fields_is_refused_by_name_not_read_without_them(tmp_path):
+def test_a_set_where_one_part_has_fields_the_others_lack_is_refused_by_name(tmp_path):
     from packed_formats.backends.sharded import ShardedWriter
     from packed_formats.manifest import part_of_set
 
@@ -605,7 +603,7 @@ def test_a_set_whose_parts_have_fields_is_refused_by_name_not_read_without_them(
                                                     fields=["caption=text"]) as writer:
         for i in range(2):
             writer.add(image_of(i), 0, fields={"caption": f"c{i}"})
-    with pytest.raises(pf.PackedFormatError, match="has fields \\(caption\\), which a set of parts does not read"):
+    with pytest.raises(pf.CorruptArchiveError, match="from the first part, .* in fields: 'none', not 'caption=text'"):
         pf.open_archive(path)
 
 

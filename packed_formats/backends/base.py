@@ -109,6 +109,9 @@ class Backend(abc.ABC, Generic[H]):
     """
 
     format_name: ClassVar[str] = ""
+    # whether the index is the parts' of a set joined: each part checked its own when it was opened, and only
+    # the CRC32s of a field are joined (its reads go to the part, which knows where the bytes lie)
+    joins_parts: ClassVar[bool] = False
 
     def __init__(self, path: str, manifest: ArchiveManifest, index: SampleIndex,
                  identity: Optional[Identity] = None) -> None:
@@ -628,7 +631,7 @@ class Reader:
         n = self.manifest.count
         for spec in self.manifest.fields:  # never a field read unchecked because its arrays were left out
             offsets, crcs = spec.array_names
-            needed = [offsets] + ([crcs] if self.manifest.checksum else [])
+            needed = ([] if self.backend.joins_parts else [offsets]) + ([crcs] if self.manifest.checksum else [])
             missing = [name for name in needed if name not in self.index.fields]
             if missing:
                 raise CorruptArchiveError(self.path, f"the index lacks {missing}, which field {spec.name!r} needs",

@@ -13,14 +13,15 @@ index is refused (``index_text`` writes one, ``read_shard_index`` checks it).  E
 part's manifest names the set's id and the part's place in it (``set_id``,
 ``part``): a part listed twice, copied over another, renamed or taken from another
 set is refused when the set is opened, naming the part and what it says, and so is
-a part that differs from the first in mode, shape, dtype, classes or checksum kind
+a part that differs from the first in mode, shape, dtype, classes, checksum kind or fields
 (encodings may differ: the set's is then "mixed").  An index of version 1 (no seal,
 no set id) is still read, its parts checked for all but their place; one whose
 parts name a set is refused (an index rewritten without its seal).
 
 The sharded backend is a span layer over the parts'
 Readers (each with its own per-process handle), used through their public API
-only; the outer Reader checks checksums against the joined index.
+only; the outer Reader checks checksums against the joined index (a field's
+values too: each part reads them where its own index says they lie).
 
 The joined index is the parts' own index arrays end to end (``JoinedArray``),
 never concatenated: each part's arrays stay mapped from its file, so opening
@@ -75,7 +76,7 @@ from ..errors import (
     TooManyOpenFilesError,
 )
 from ..handles import ProcessLocal
-from ..index import JoinedArray, SampleIndex, by_part, part_of
+from ..index import JoinedArray, SampleIndex, by_part, field_array, part_of
 from ..manifest import ArchiveManifest, canonical_json, part_of_set
 from .base import Backend, FormatSpec, Handle, Reader, WriteTransaction, publish, remove_path, temp_path_for
 
@@ -274,6 +275,7 @@ class _OpenParts:
 
 class ShardedBackend(Backend[ShardedHandle]):
     format_name = "sharded"
+    joins_parts = True  # its index is its parts' (each part checked its own when opened)
 
     def __init__(self, path: str, manifest: ArchiveManifest, index: SampleIndex, parts: Sequence[Reader] = (),
                  max_open_parts: Optional[int] = None) -> None:
@@ -398,6 +400,11 @@ class ShardedBackend(Backend[ShardedHandle]):
                 else:
                     out[mask] = part.read_many(local)
 
+    def read_field(self, handle: ShardedHandle, name: str, i: int) -> bytes:
+        p, j = part_of(self.starts, i)
+        with self._part(p) as part:
+            return part.read_field_bytes(j, name)
+
     def sample_location(self, i: int) -> Optional[Tuple[str, int]]:
         part, j = self.locate(i)
         return part.backend.sample_location(j)
@@ -447,7 +454,8 @@ def _what_fits(limit: int, needed: int) -> str:
     return f"{raise_limit}, or keep at most {fits} parts open (max_open_parts, or {ENVIRONMENT_VARIABLE})"
 
 
-AGREEING_FIELDS = ("mode", "shape", "dtype", "classes", "checksum")  # every part's as the set's (encoding may differ)
+AGREEING_FIELDS = ("mode", "shape", "dtype", "classes", "checksum", "fields")  # every part's as the set's
+# (encoding may differ)
 
 
 def _check_parts(path: str, parts: List[Reader], index_spec: Dict[str, Any]) -> None:
@@ -459,15 +467,6 @@ def _check_parts(path: str, parts: List[Reader], index_spec: Dict[str, Any]) -> 
             raise CorruptArchiveError(path, f"part {part.path} holds {len(part)} samples, index says {count}")
         check_part(path, part.path, part.manifest, p, index_spec["set_id"], index_spec["format"])
         check_agreement(path, part.path, part.manifest, first.manifest, f"the first part, {first.path}")
-        refuse_fields(path, part.path, part.manifest)
-
-
-def refuse_fields(path: str, part_path: str, manifest: ArchiveManifest) -> None:
-    """PackedFormatError when a set's part has fields: a set does not read them yet (never silently without)."""
-    if manifest.fields:
-        raise PackedFormatError(path, f"part {part_path} has fields ({', '.join(f.name for f in manifest.fields)}), "
-                                      "which a set of parts does not read yet",
-                                hint="open each part on its own, or convert the parts into one archive")
 
 
 def check_part(path: str, part_path: str, manifest: ArchiveManifest, position: int, set_id: Optional[str],
@@ -515,6 +514,8 @@ def check_agreement(path: str, part_path: str, manifest: ArchiveManifest, refere
             if field == "classes":  # a list of thousands of names: say where they part
                 at = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
                 mine, theirs = _class_at(mine, at), _class_at(theirs, at)
+            elif field == "fields":  # as --field declares them
+                mine, theirs = (", ".join(f.describe() for f in fs) or "none" for fs in (mine, theirs))
             raise CorruptArchiveError(
                 path, f"part {part_path} differs from {reference_name} in {field}: {mine!r}, not {theirs!r}",
                 hint="a set's parts are of one layout: convert the set again from one source with one set of options",
@@ -539,24 +540,32 @@ def _joined_manifest(parts: List[Reader]) -> ArchiveManifest:
 
 
 def _joined_index(parts: List[Reader]) -> SampleIndex:
-    """The parts' indexes end to end, each array a JoinedArray over the parts' own (no copy)."""
+    """The parts' indexes end to end, each array a JoinedArray over the parts' own (no copy).  Of a field's
+    arrays only its CRC32s are joined: where its bytes lie each part knows, and its reads go to the part."""
     crc = None if any(p.index.crc32 is None for p in parts) else JoinedArray.of(_PartArrays(parts, "crc32"))
+    field_crcs = [field_array(spec.name, "crc32") for spec in parts[0].manifest.fields]
     return SampleIndex(
         labels=cast(np.ndarray, JoinedArray.of(_PartArrays(parts, "labels"))),
         keys=cast(np.ndarray, JoinedArray.of(_PartArrays(parts, "keys"))),
         crc32=cast(Optional[np.ndarray], crc),
+        fields={name: cast(np.ndarray, JoinedArray.of(_PartArrays(parts, name, field=True)))
+                for name in field_crcs if all(name in p.index.fields for p in parts)},
     )
 
 
 @dataclasses.dataclass(frozen=True)
 class _PartArrays:
-    """One index array of each part, in order: what a joined array of a sharded index joins.
-    It pickles as the parts (each a description mapped again where it is unpickled)."""
+    """One index array of each part, in order: what a joined array of a sharded index joins (``field``: an
+    array of the parts' ``index.fields``).  It pickles as the parts (each a description mapped again where it
+    is unpickled)."""
 
     parts: List[Reader]
     name: str
+    field: bool = False
 
     def __call__(self) -> List[np.ndarray]:
+        if self.field:
+            return [part.index.fields[self.name] for part in self.parts]
         return [getattr(part.index, self.name) for part in self.parts]
 
 
@@ -602,12 +611,13 @@ class ShardedWriter(WriteTransaction):
     def __len__(self) -> int:
         return self._count
 
-    def add(self, sample: Any, label: int, key: Optional[str] = None) -> int:
-        """Append one sample (see Writer.add); return its index in the whole dataset."""
+    def add(self, sample: Any, label: int, key: Optional[str] = None, fields: Optional[Dict[str, Any]] = None
+            ) -> int:
+        """Append one sample and its fields (see Writer.add); return its index in the whole dataset."""
         if self._current is None or len(self._current) == self.shard_size:
             self._next_part()
         assert self._current is not None
-        self._current.add(sample, label, key)
+        self._current.add(sample, label, key, fields=fields)
         self._count += 1
         return self._count - 1
 

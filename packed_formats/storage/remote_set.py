@@ -24,7 +24,8 @@ Each part's own manifest and index are compared with the set's when it arrives a
 process, when it is opened from the cache; a cached part found damaged (it does not open,
 disagrees, or a sample fails its CRC32) is evicted and fetched again (``RemoteSetReader``).  A
 set without a sample index is indexed from its parts once per node: the index is kept in the
-cache, keyed by the parts' names, sizes and ETags.
+cache, keyed by the parts' names, sizes and ETags.  A set whose samples have fields is refused by
+name (its sample index holds none of their CRC32s); ``stage_remote`` copies it whole to read locally.
 """
 
 from __future__ import annotations
@@ -51,7 +52,6 @@ from ..backends.sharded import (
     index_text,
     is_shard_index,
     read_shard_index,
-    refuse_fields,
 )
 from ..errors import (
     CorruptArchiveError,
@@ -107,6 +107,20 @@ def open_remote(url: str, *, verify: Any = True, cache_dir: Optional[str] = None
     """A Reader of the set or archive at ``url``, read through the node-local cache."""
     from ..backends import sharded
 
+    backend = _remote_backend(url, cache_dir, cache_limit, storage_options, format)
+    try:
+        _refuse_fields(backend.url, backend.manifest)
+        reader = RemoteSetReader.of_backend(backend, verify=verify, path=backend.url)
+    except BaseException:
+        backend.close()
+        raise
+    sharded.limit_open_parts(reader, max_open_parts)
+    return reader
+
+
+def _remote_backend(url: str, cache_dir: Optional[str], cache_limit: Any, storage_options: Optional[Dict[str, Any]],
+                    format: Optional[str]) -> "RemoteSetBackend":
+    """The backend of the set or archive at ``url``: its index, listing and sample index read, no part yet."""
     url = RemoteURL(url)  # shown without its secrets, sent with them
     store, cache = Store(storage_options), PartCache(cache_dir, cache_limit)
     folder = cache.namespace(url)
@@ -120,12 +134,9 @@ def open_remote(url: str, *, verify: Any = True, cache_dir: Optional[str] = None
     arrays = None
     if description.get("samples") is not None:
         arrays = _fetch_samples(store, description["samples"], folder)
-    backend = RemoteSetBackend.create(local_index, url, part_format, description["parts"], cache, store,
-                                      description.get("manifest"), arrays, set_id=description.get("set_id"),
-                                      indexed=bool(description.get("indexed")))
-    reader = RemoteSetReader.of_backend(backend, verify=verify, path=url)
-    sharded.limit_open_parts(reader, max_open_parts)
-    return reader
+    return RemoteSetBackend.create(local_index, url, part_format, description["parts"], cache, store,
+                                   description.get("manifest"), arrays, set_id=description.get("set_id"),
+                                   indexed=bool(description.get("indexed")))
 
 
 def stage_remote(url: str, to: str, storage_options: Optional[Dict[str, Any]] = None) -> Tuple[str, bool, int]:
@@ -136,9 +147,8 @@ def stage_remote(url: str, to: str, storage_options: Optional[Dict[str, Any]] = 
     ``to`` is a cache without a bound: a set's parts keep the cache's names, and a local index beside
     them (``<to>/<set>/<name>``) makes them one local set that reads with no network.
     """
-    reader = open_remote(url, verify=False, cache_dir=to, storage_options=storage_options, max_open_parts=1)
+    backend = _remote_backend(url, to, None, storage_options, None)  # its parts' fields too: staged, they are read
     try:
-        backend = cast(RemoteSetBackend, reader.backend)
         fetched = False
         for p in range(len(backend.remote_parts)):
             path = backend.entry_path(p)
@@ -159,7 +169,7 @@ def stage_remote(url: str, to: str, storage_options: Optional[Dict[str, Any]] = 
             os.replace(temp, local)
         return local, fetched, nbytes
     finally:
-        reader.close()
+        backend.close()
 
 
 class CacheThrashWarning(UserWarning):
@@ -482,6 +492,17 @@ def _set_manifest(url: str, text: Any) -> ArchiveManifest:
             raise CorruptArchiveError(url, f"the set's manifest is not valid: its {field} is "
                                            f"{getattr(manifest, field)!r}", hint=REDOWNLOAD_HINT)
     return manifest
+
+
+def _refuse_fields(url: str, manifest: ArchiveManifest) -> None:
+    """PackedFormatError when the set has fields: a set read from a store does not read them yet (its sample
+    index holds no field's CRC32s), and never reads the images alone as if they were the whole sample."""
+    if manifest.fields:
+        names = ", ".join(f.name for f in manifest.fields)
+        raise PackedFormatError(url, f"its samples have fields ({names}), which a set read from object storage "
+                                     "does not read yet",
+                                hint=f"copy it to local disk first (packed-formats stage {url} --to DIR), then open "
+                                     "the copy")
 
 
 # ---- the backend ---------------------------------------------------------------------------------------
@@ -887,7 +908,6 @@ def _index_by_fetching(url: str, part_format: str, parts: List[RemotePart], cach
                                                                       "set": url}))
             reader = Reader(path, spec(part_format).backend, verify=False)
             readers.append(reader)
-            refuse_fields(url, part.url, reader.manifest)
             labels.append(np.asarray(reader.index.labels))
             keys.append(np.asarray(reader.index.keys))
             crcs.append(None if reader.index.crc32 is None else np.asarray(reader.index.crc32))
