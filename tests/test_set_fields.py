@@ -1,7 +1,6 @@
 """Sets of parts with fields: ``convert --shard-size`` and ``--part`` write each sample's fields into its part,
 the set reads them as one archive does (each value under its CRC32, read only when asked), and parts that
-disagree on their fields are refused by name.  A set in object storage does not read fields yet: it is refused
-by name, never read as images alone, and ``stage`` copies it whole to read locally."""
+disagree on their fields are refused by name.  Sets in object storage: tests/test_remote_fields.py."""
 
 from __future__ import annotations
 
@@ -143,20 +142,3 @@ def test_make_loader_batches_a_sets_fields_in_workers_as_it_does_one_archives(tm
         assert torch.equal(mine["image"], theirs["image"]) and torch.equal(mine["mask"], theirs["mask"])
         assert mine["caption"] == theirs["caption"]
         assert all(torch.equal(a, b) for a, b in zip(mine["boxes"], theirs["boxes"]))
-
-
-def test_a_set_with_fields_in_object_storage_is_refused_by_name_and_stages_whole(tmp_path, s3_env):
-    path = tmp_path / "local" / "set.zip"
-    os.makedirs(path.parent)
-    written = write_set(path, "zip", count=7, per_part=3)
-    url = f"s3://{s3_env.bucket()}/fields/set.zip"
-    pf.storage.upload(str(path), url)
-    with pytest.raises(pf.PackedFormatError, match="fields \\(mask, boxes, caption, meta\\).*does not read yet") as e:
-        pf.open_archive(url, cache_dir=str(tmp_path / "cache"))
-    assert "packed-formats stage" in str(e.value)
-    staged = pf.stage(url, tmp_path / "staged")
-    with pf.open_archive(staged) as reader:
-        assert len(reader) == 7 and reader.format_name == "sharded"
-        for i, values in enumerate(written):
-            for name, want in values.items():
-                assert_value(name, reader.read_field(i, name), want)

@@ -24,8 +24,9 @@ Each part's own manifest and index are compared with the set's when it arrives a
 process, when it is opened from the cache; a cached part found damaged (it does not open,
 disagrees, or a sample fails its CRC32) is evicted and fetched again (``RemoteSetReader``).  A
 set without a sample index is indexed from its parts once per node: the index is kept in the
-cache, keyed by the parts' names, sizes and ETags.  A set whose samples have fields is refused by
-name (its sample index holds none of their CRC32s); ``stage_remote`` copies it whole to read locally.
+cache, keyed by the parts' names, sizes and ETags.  Fields of a sample are read like its image: from
+its part, each value checked against the CRC32 the set's sample index holds (``field_crc32``, one
+row a field, in the manifest's order), which each arriving part's own index must match.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from ..backends.base import Reader, remove_path
 from ..backends.sharded import (
     ShardedBackend,
     ShardedHandle,
+    check_agreement,
     check_part,
     index_text,
     is_shard_index,
@@ -62,7 +64,7 @@ from ..errors import (
     UnknownFormatError,
 )
 from ..handles import ProcessLocal
-from ..index import SampleIndex
+from ..index import SampleIndex, field_array
 from ..manifest import ArchiveManifest
 from ..tracebacks import drops_frames
 from .cache import Lease, PartCache, cache_errors, confined, entry_name
@@ -109,7 +111,6 @@ def open_remote(url: str, *, verify: Any = True, cache_dir: Optional[str] = None
 
     backend = _remote_backend(url, cache_dir, cache_limit, storage_options, format)
     try:
-        _refuse_fields(backend.url, backend.manifest)
         reader = RemoteSetReader.of_backend(backend, verify=verify, path=backend.url)
     except BaseException:
         backend.close()
@@ -325,8 +326,10 @@ def _sniff_head(url: str, head: bytes, size: int) -> str:
     return found
 
 
-SAMPLE_FIELDS = ("labels", "keys", "crc32", "counts")  # a sample index's arrays: nothing else is read or written
-_FIELD_DTYPES = {"labels": np.dtype(np.int64), "crc32": np.dtype(np.uint32), "counts": np.dtype(np.int64)}
+# a sample index's arrays: nothing else is read or written (field_crc32: one row of CRC32s a field of the manifest)
+SAMPLE_FIELDS = ("labels", "keys", "crc32", "counts", "field_crc32")
+_FIELD_DTYPES = {"labels": np.dtype(np.int64), "crc32": np.dtype(np.uint32), "counts": np.dtype(np.int64),
+                 "field_crc32": np.dtype(np.uint32)}
 REDOWNLOAD_HINT = "open the set again; if this persists, upload the set again (packed-formats upload)"
 
 
@@ -448,13 +451,18 @@ def _check_sample_arrays(url: str, arrays: Dict[str, np.ndarray], parts: List[Re
     for name in arrays:
         if name not in SAMPLE_FIELDS:
             raise refuse(name, f"is not one of {', '.join(SAMPLE_FIELDS)}")
-    required = ("labels", "keys", "counts") + (("crc32",) if manifest.checksum is not None else ())
+    checked = manifest.checksum is not None
+    required = ("labels", "keys", "counts") + (("crc32",) if checked else ()) + \
+        (("field_crc32",) if checked and manifest.fields else ())
     for name in required:
         if name not in arrays:
             raise refuse(name, "is missing")
+    if "field_crc32" in arrays and not manifest.fields:
+        raise refuse("field_crc32", "is there, but the set's manifest declares no field")
     for name, array in arrays.items():
-        if not isinstance(array, np.ndarray) or array.ndim != 1:
-            raise refuse(name, f"is not a 1-D array (shape {getattr(array, 'shape', None)})")
+        ndim = 2 if name == "field_crc32" else 1
+        if not isinstance(array, np.ndarray) or array.ndim != ndim:
+            raise refuse(name, f"is not a {ndim}-D array (shape {getattr(array, 'shape', None)})")
         expected = _FIELD_DTYPES.get(name)
         if (expected is not None and array.dtype != expected) or (name == "keys" and array.dtype.kind != "S"):
             raise refuse(name, f"has dtype {array.dtype}, not {expected or 'bytes'}")
@@ -465,6 +473,9 @@ def _check_sample_arrays(url: str, arrays: Dict[str, np.ndarray], parts: List[Re
         raise refuse("counts", "holds a negative count")
     if int(counts.sum()) != total:
         raise refuse("counts", f"sums to {int(counts.sum())}, but there are {total} labels")
+    if "field_crc32" in arrays and arrays["field_crc32"].shape != (len(manifest.fields), total):
+        raise refuse("field_crc32", f"has shape {arrays['field_crc32'].shape}, not ({len(manifest.fields)} fields, "
+                                    f"{total} samples)")
     for part, count in zip(parts, counts):
         if part.count >= 0 and part.count != int(count):
             raise refuse("counts", f"says part {part.name} holds {int(count)} samples, the set's index {part.count}")
@@ -492,17 +503,6 @@ def _set_manifest(url: str, text: Any) -> ArchiveManifest:
             raise CorruptArchiveError(url, f"the set's manifest is not valid: its {field} is "
                                            f"{getattr(manifest, field)!r}", hint=REDOWNLOAD_HINT)
     return manifest
-
-
-def _refuse_fields(url: str, manifest: ArchiveManifest) -> None:
-    """PackedFormatError when the set has fields: a set read from a store does not read them yet (its sample
-    index holds no field's CRC32s), and never reads the images alone as if they were the whole sample."""
-    if manifest.fields:
-        names = ", ".join(f.name for f in manifest.fields)
-        raise PackedFormatError(url, f"its samples have fields ({names}), which a set read from object storage "
-                                     "does not read yet",
-                                hint=f"copy it to local disk first (packed-formats stage {url} --to DIR), then open "
-                                     "the copy")
 
 
 # ---- the backend ---------------------------------------------------------------------------------------
@@ -536,7 +536,7 @@ class RemoteSetBackend(ShardedBackend):
         _check_sample_arrays(url, arrays, parts, manifest)
         counts = [int(c) for c in arrays["counts"]]
         parts = [dataclasses.replace(p, count=c) for p, c in zip(parts, counts)]
-        index = SampleIndex(labels=arrays["labels"], keys=arrays["keys"], crc32=arrays.get("crc32"))
+        index = _sample_index(arrays, manifest)
         backend = cls(local_index, manifest, index, url=url, part_format=part_format, remote_parts=parts,
                       cache=cache, store=store, arrays=arrays)
         backend.set_id, backend.indexed, backend.kept_index = set_id, indexed, kept
@@ -566,8 +566,7 @@ class RemoteSetBackend(ShardedBackend):
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         state["_arrays"] = {name: m.load() for name, m in state["_arrays"].items()}
-        arrays = state["_arrays"]
-        state["index"] = SampleIndex(labels=arrays["labels"], keys=arrays["keys"], crc32=arrays.get("crc32"))
+        state["index"] = _sample_index(state["_arrays"], state["manifest"])
         self.__dict__.update(state)
 
     def __len__(self) -> int:
@@ -667,7 +666,7 @@ class RemoteSetBackend(ShardedBackend):
             except CorruptArchiveError as exc:
                 return exc.problem or str(exc)
         mine, theirs = reader.manifest, self.manifest
-        for field in ("mode", "shape", "dtype", "classes", "checksum", "encoding"):
+        for field in ("mode", "shape", "dtype", "classes", "checksum", "encoding", "fields"):
             if field == "encoding" and theirs.encoding == "mixed":
                 continue
             if getattr(mine, field) != getattr(theirs, field):
@@ -679,6 +678,10 @@ class RemoteSetBackend(ShardedBackend):
                 return (f"it has {'no' if own is None else ''} {name}, the set's sample index "
                         f"{'has' if own is None else 'has none'}").replace("  ", " ")
             if own is not None and not np.array_equal(np.asarray(own), np.asarray(listed[first:last])):
+                return f"its {name} differ from the set's sample index"
+        for name, listed in self.index.fields.items():  # a field's CRC32s, when the set keeps checksums
+            own = reader.index.fields.get(name)
+            if own is None or not np.array_equal(np.asarray(own), np.asarray(listed[first:last])):
                 return f"its {name} differ from the set's sample index"
         return None
 
@@ -800,6 +803,14 @@ class RemoteSetReader(Reader):
     def read_many(self, idx: Any, out: Optional[np.ndarray] = None) -> "np.ndarray | List[bytes]":
         return cast("np.ndarray | List[bytes]", self._refetching(Reader.read_many, idx, out))
 
+    @drops_frames
+    def read_field_bytes(self, i: int, name: str) -> bytes:
+        return cast(bytes, self._refetching(Reader.read_field_bytes, i, name))
+
+    @drops_frames
+    def read_field(self, i: int, name: str) -> Any:
+        return self._refetching(Reader.read_field, i, name)
+
     def _refetching(self, method: Callable[..., Any], *args: Any) -> Any:
         backend = cast(RemoteSetBackend, self.backend)
         for attempt in range(REFETCHES + 1):
@@ -815,12 +826,24 @@ class RemoteSetReader(Reader):
 
 
 def _verify_every_sample(reader: Reader, batch: int = 256) -> None:
-    """Read every sample once with its CRC32 checked (CorruptSampleError on the first that fails)."""
+    """Read every sample and field value once with its CRC32 checked (CorruptSampleError on the first that
+    fails)."""
     checked = Reader.__new__(Reader)
     checked.__dict__.update(reader.__dict__)
     checked.verify = True
     for start in range(0, len(reader), batch):
         checked.read_many(np.arange(start, min(len(reader), start + batch)))
+        for i in range(start, min(len(reader), start + batch)):
+            for spec in reader.fields:
+                checked.read_field_bytes(i, spec.name)
+
+
+def _sample_index(arrays: Dict[str, np.ndarray], manifest: ArchiveManifest) -> SampleIndex:
+    """The set's index over its sample index's arrays (each field's CRC32s a row of ``field_crc32``)."""
+    rows = arrays.get("field_crc32")
+    fields = {} if rows is None else {field_array(spec.name, "crc32"): rows[k]
+                                      for k, spec in enumerate(manifest.fields)}
+    return SampleIndex(labels=arrays["labels"], keys=arrays["keys"], crc32=arrays.get("crc32"), fields=fields)
 
 
 def _download(store: Store, part: RemotePart, temp: str) -> None:
@@ -891,7 +914,7 @@ def _index_by_fetching(url: str, part_format: str, parts: List[RemotePart], cach
         warnings.warn(f"{url} has no sample index beside it: each of its {len(parts)} parts is fetched once now "
                       "to index the set (upload it with packed_formats.storage.upload to write one)", stacklevel=4)
     folder = cache.namespace(url)
-    readers, leases, labels, keys, crcs, counts = [], [], [], [], [], []
+    readers, leases, labels, keys, crcs, counts, field_crcs = [], [], [], [], [], [], []
     try:
         for part in parts:
             path = confined(folder, entry_name(part.name, part.info.etag))
@@ -908,9 +931,13 @@ def _index_by_fetching(url: str, part_format: str, parts: List[RemotePart], cach
                                                                       "set": url}))
             reader = Reader(path, spec(part_format).backend, verify=False)
             readers.append(reader)
+            if len(readers) > 1:  # the set's manifest is the first part's: each other part must agree with it
+                check_agreement(url, part.url, reader.manifest, readers[0].manifest, f"the first part, {parts[0].url}")
             labels.append(np.asarray(reader.index.labels))
             keys.append(np.asarray(reader.index.keys))
             crcs.append(None if reader.index.crc32 is None else np.asarray(reader.index.crc32))
+            field_crcs.append([np.asarray(reader.index.fields[field_array(f.name, "crc32")])
+                               for f in reader.fields if field_array(f.name, "crc32") in reader.index.fields])
             counts.append(len(reader))
             if len(parts) > 1:  # let each go as soon as it is indexed: the cache may be smaller than the set
                 reader.close()
@@ -923,6 +950,9 @@ def _index_by_fetching(url: str, part_format: str, parts: List[RemotePart], cach
                   "counts": np.asarray(counts, dtype=np.int64)}
         if all(c is not None for c in crcs):
             arrays["crc32"] = np.concatenate(crcs).astype(np.uint32, copy=False)  # type: ignore[arg-type]
+        if manifest.fields and all(len(rows) == len(manifest.fields) for rows in field_crcs):
+            arrays["field_crc32"] = np.stack([np.concatenate([rows[k] for rows in field_crcs])
+                                              for k in range(len(manifest.fields))]).astype(np.uint32, copy=False)
     finally:
         for reader in readers:
             reader.close()

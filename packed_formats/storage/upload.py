@@ -1,7 +1,7 @@
 """Put a local archive or set into a store so that ``open_archive(url)`` reads it through the cache.
 
 A sharded set goes part by part (each retried; a folder part file by file), then its sample
-index (``<stem>-samples.npz``: labels, keys, CRC32s and part counts, so that opening the set
+index (``<stem>-samples.npz``: labels, keys, CRC32s, part counts and each field's CRC32s, so that opening the set
 reads no part), and the set's index last, so a reader never sees half a set: until the index
 is there, the set does not exist at that URL.  The index gains the sample index's name, size
 and CRC32, and the set's manifest (a local reader ignores both), and is sealed again over them.
@@ -18,6 +18,7 @@ import numpy as np
 
 from ..backends import detect_format, open_local
 from ..backends.sharded import index_text, read_shard_index
+from ..index import field_array
 from .remote import Store
 from .urls import basename, clean_url, join
 
@@ -93,6 +94,9 @@ def _samples_npz(path: str) -> "tuple[bytes, str]":
         }
         if reader.index.crc32 is not None:
             arrays["crc32"] = np.asarray(reader.index.crc32, dtype=np.uint32)
+        rows = [reader.index.fields.get(field_array(spec.name, "crc32")) for spec in reader.fields]
+        if rows and all(row is not None for row in rows):  # each field's CRC32s, a row a field
+            arrays["field_crc32"] = np.stack([np.asarray(row, dtype=np.uint32) for row in rows])
         manifest_text = reader.manifest.to_json()
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)  # type: ignore[arg-type]
