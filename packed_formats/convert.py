@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 import warnings
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 from tqdm import tqdm
@@ -41,7 +41,7 @@ from .errors import (
     PackedFormatError,
     RemoteNotFoundError,
 )
-from .fields import FieldSpec
+from .fields import BOX_FORMATS, FieldSpec
 from .handles import pid_alive
 from .manifest import MODES
 from .parallel import WorkerDiedError, available_cores, ordered_map
@@ -135,6 +135,8 @@ def convert(
     allow_pickle: bool = False,
     part: Optional[Tuple[int, Optional[int]]] = None,
     fields: Sequence[Any] = (),
+    boxes: "Mapping[str, str] | Sequence[str]" = (),
+    unscaled: Sequence[str] = (),
 ) -> ConvertSummary:
     """Pack ``src`` into ``dst``, reading ``src`` where it is (nothing is extracted).
 
@@ -174,8 +176,13 @@ def convert(
         fields: the fields to pack with each sample (``FieldSpec``s or ``NAME=KIND`` strings, as
             ``--field``), "auto" among them for those the source finds in every sample too, or
             ``["none"]`` for none (not even an archive's own).  A resize (``size``) takes image fields
-            along (nearest neighbour) and refuses array fields.  Each part of a set (``shard_size``,
-            ``part``) holds its samples' fields.
+            along (nearest neighbour) and the boxes of ``boxes``, and refuses other array fields.  Each
+            part of a set (``shard_size``, ``part``) holds its samples' fields.
+        boxes: the array fields (``[N,4]`` or ``[4]``) that hold boxes, and their format: ``{"boxes":
+            "XYXY"}`` or ``["boxes=XYXY"]`` (XYXY, XYWH or CXCYWH, in pixels of the source image, as
+            ``--boxes``).  A resize moves, scales and clamps them with the image.
+        unscaled: array fields whose values do not depend on where things are in the image (per-box
+            labels, scores, ids; ``--unscaled``): a resize keeps them as they are.
 
     Raises:
         PackedFormatError (bad source, destination inside the source or
@@ -183,9 +190,9 @@ def convert(
         destination, bad image), ValueError (bad option),
         ConversionInterrupted / KeyboardInterrupt.
     """
-    fields = tuple(fields)
+    fields, box_formats, unscaled = tuple(fields), parse_boxes(boxes), tuple(unscaled)
     if _any_remote(src) or storage.is_remote(os.fspath(dst)):
-        if fields:
+        if fields or box_formats or unscaled:
             raise ValueError("fields are packed from local sources into local archives, so far")
         options = dict(format=format, mode=mode, size=size, resize_mode=resize_mode, quality=quality,
                        encoding=encoding, labels=labels, workers=workers, shard_size=shard_size, overwrite=overwrite,
@@ -214,8 +221,8 @@ def convert(
         allow_pickle=allow_pickle, on_error=on_error, fields=fields,
     )
     try:
-        _check_fields_fit(shown, source.fields, size)
-        recipe = _recipe(source, mode, size, resize_mode, encoding, quality)
+        _check_fields_fit(shown, source.fields, size, box_formats, unscaled)
+        recipe = dataclasses.replace(_recipe(source, mode, size, resize_mode, encoding, quality), boxes=box_formats)
         if part is not None:
             with _signals_interrupt():
                 return _convert_part(source, shown, dst, format, recipe, part, int(shard_size or 0), workers,
@@ -359,34 +366,74 @@ def _append_all(results: Iterator[Any], source: Source, output: Any, on_error: s
     return failed
 
 
-def _check_fields_fit(shown: str, fields: Sequence[FieldSpec], size: Any) -> None:
-    """ValueError when the source's fields cannot go where the options send them: through a resize an array
-    field (boxes, points) cannot follow; image fields are resized with the image."""
-    arrays = [f.describe() for f in fields if f.kind == "array"]
+def parse_boxes(boxes: "Mapping[str, str] | Sequence[str]") -> Tuple[Tuple[str, str], ...]:
+    """((field, box format), ...) of ``{"boxes": "XYXY"}`` or ``["boxes=XYXY"]``; ValueError naming a bad one."""
+    pairs = list(boxes.items()) if isinstance(boxes, Mapping) else [str(b).partition("=")[::2] for b in boxes]
+    parsed = []
+    for name, fmt in pairs:
+        if not name or str(fmt).upper() not in BOX_FORMATS:
+            raise ValueError(f"boxes are given as NAME=FORMAT, FORMAT one of {', '.join(BOX_FORMATS)} (as "
+                             f"boxes=XYXY); got {name}={fmt}" if name else f"boxes: no field name in {fmt!r}")
+        parsed.append((str(name), str(fmt).upper()))
+    return tuple(parsed)
+
+
+def _check_fields_fit(shown: str, fields: Sequence[FieldSpec], size: Any, boxes: Tuple[Tuple[str, str], ...],
+                      unscaled: Tuple[str, ...]) -> None:
+    """ValueError when the source's fields cannot go where the options send them: boxes that name no array
+    field of [N,4] or [4], unscaled fields that name no array field or are boxes too, or an array field a
+    resize cannot take along (image fields, masks, are resized with the image; the fields of ``boxes`` are
+    moved with it, those of ``unscaled`` kept as they are)."""
+    by_name = {f.name: f for f in fields}
+    described = ", ".join(f.describe() for f in fields) or "none"
+    for name in unscaled:
+        spec = by_name.get(name)
+        if spec is None or spec.kind != "array" or name in dict(boxes):
+            found = "boxes too" if name in dict(boxes) else spec.describe() if spec is not None else "no such field"
+            raise ValueError(f"{shown}: unscaled {name!r} must be an array field that is not boxes ({found}; the "
+                             f"fields: {described})")
+    for name, _ in boxes:
+        spec = by_name.get(name)
+        if spec is None or spec.kind != "array" or not spec.shape or spec.shape[-1] != 4 or len(spec.shape) > 2:
+            found = spec.describe() if spec is not None else "no such field"
+            raise ValueError(f"{shown}: boxes {name!r} must be an array field of [N,4] or [4] ({found}; the "
+                             f"fields: {described})")
+    kept = set(dict(boxes)) | set(unscaled)
+    arrays = [f.describe() for f in fields if f.kind == "array" and f.name not in kept]
     if size is not None and arrays:
-        raise ValueError(f"{shown} has the array field {arrays[0]}, whose values cannot follow a resize of the "
-                         "images: convert without size (image fields, masks, are resized with the image)")
+        raise ValueError(f"{shown} has the array field {arrays[0]}, which a resize of the images may have to change: "
+                         "say what it holds, --boxes NAME=XYXY (XYWH, CXCYWH) to move boxes with the images or "
+                         "--unscaled NAME to keep values that do not depend on where things are (per-box labels), "
+                         "or convert without size (image fields, masks, are resized with the images)")
 
 
 def _prepare_sample(context: Tuple[Source, Recipe], i: int) -> Tuple[bool, Any, bool]:
     """(True, stored sample, alpha dropped) or (False, CorruptSampleError naming the file, False); runs in a
     worker."""
     source, recipe = context
-    prepared = _prepare(recipe, lambda: source.load(i), i, lambda: source.key(i), lambda: source.location(i))
+    loaded: List[Any] = []  # the image as the source stores it, kept for boxes that follow a resize
+
+    def load() -> Any:
+        loaded.append(source.load(i))
+        return loaded[-1]
+
+    prepared = _prepare(recipe, load, i, lambda: source.key(i), lambda: source.location(i))
     return _with_fields(recipe, source.fields, prepared, lambda: source.load_fields(i), i, source.key(i),
-                        source.location(i))
+                        source.location(i), lambda: loaded[-1])
 
 
 def _with_fields(recipe: Recipe, fields: Sequence[FieldSpec], prepared: Tuple[bool, Any, bool],
-                 load: Callable[[], Dict[str, Any]], i: int, key: str, location: str) -> Tuple[bool, Any, bool]:
+                 load: Callable[[], Dict[str, Any]], i: int, key: str, location: str, stored: Callable[[], Any]
+                 ) -> Tuple[bool, Any, bool]:
     """A prepared sample with its fields as the destination stores them: (True, (stored image, {field:
-    value}), alpha dropped), or (False, the error naming the sample) when a field cannot be had."""
+    value}), alpha dropped), or (False, the error naming the sample) when a field cannot be had.  ``stored()``:
+    the sample's image as the source stores it (read only when boxes follow a resize)."""
     if not fields or not prepared[0]:
         return prepared
     try:
         values = load()
         for spec in fields:
-            values[spec.name] = recipe.field(spec, values[spec.name])
+            values[spec.name] = recipe.field(spec, values[spec.name], stored)
         return True, (prepared[1], values), prepared[2]
     except PackedFormatError as exc:
         return False, exc, False
@@ -409,7 +456,7 @@ def _prepare_item(context: Tuple[Recipe, Tuple[FieldSpec, ...]], payload: Tuple[
     if isinstance(data, PackedFormatError):
         return False, data, False
     prepared = _prepare(recipe, lambda: data, i, lambda: key, lambda: location)
-    return _with_fields(recipe, fields, prepared, lambda: dict(values), i, key, location)
+    return _with_fields(recipe, fields, prepared, lambda: dict(values), i, key, location, lambda: data)
 
 
 def _prepare(

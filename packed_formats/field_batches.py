@@ -25,7 +25,7 @@ import torch
 
 from . import codecs, policy
 from .backends.base import Reader
-from .fields import FieldSpec
+from .fields import FieldSpec, move_boxes
 from .sample_fields import field_value, image_output, mask_array, parse_roles, variable
 
 # Where a sample's image came from: (top, left, height, width) of the stored image, its stored
@@ -181,33 +181,9 @@ def cut_view(data: bytes, where: Optional[Where]) -> np.ndarray:
 def cut_boxes(boxes: np.ndarray, fmt: str, where: Optional[Where]) -> np.ndarray:
     """[N,4] boxes in ``fmt`` moved into the crop ``where`` took and scaled to its output size, clamped to
     it (a box outside the crop keeps zero width or height, as torchvision's crops leave it); float32."""
-    boxes = np.asarray(boxes, dtype=np.float32).reshape(-1, 4)
     if where is None:
-        return boxes
-    (top, left, height, width), _, (out_h, out_w) = where
-    xyxy = _to_xyxy(boxes, fmt)
-    scale = np.array([out_w / width, out_h / height, out_w / width, out_h / height], dtype=np.float32)
-    moved = (xyxy - np.array([left, top, left, top], dtype=np.float32)) * scale
-    moved = np.clip(moved, 0, np.array([out_w, out_h, out_w, out_h], dtype=np.float32))
-    return _from_xyxy(moved, fmt)
-
-
-def _to_xyxy(boxes: np.ndarray, fmt: str) -> np.ndarray:
-    x, y, a, b = boxes.T
-    if fmt == "XYWH":
-        return np.stack([x, y, x + a, y + b], axis=1)
-    if fmt == "CXCYWH":
-        return np.stack([x - a / 2, y - b / 2, x + a / 2, y + b / 2], axis=1)
-    return boxes.copy()
-
-
-def _from_xyxy(boxes: np.ndarray, fmt: str) -> np.ndarray:
-    x0, y0, x1, y1 = boxes.T
-    if fmt == "XYWH":
-        return np.stack([x0, y0, x1 - x0, y1 - y0], axis=1).astype(np.float32)
-    if fmt == "CXCYWH":
-        return np.stack([(x0 + x1) / 2, (y0 + y1) / 2, x1 - x0, y1 - y0], axis=1).astype(np.float32)
-    return boxes.astype(np.float32)
+        return np.asarray(boxes, dtype=np.float32).reshape(-1, 4)
+    return move_boxes(boxes, fmt, where[0], where[2])
 
 
 def apply_per_sample(transform: Callable, fields: BatchFields, images: torch.Tensor, labels: torch.Tensor,

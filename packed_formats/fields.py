@@ -305,3 +305,40 @@ def field_arrays(specs: Sequence[FieldSpec]) -> List[str]:
     """The names of every index array the fields ``specs`` may have (positions: in formats that record them)."""
     return [name for spec in specs for name in spec.array_names + (field_array(spec.name, "positions"),)]
 
+
+# ---- boxes ---------------------------------------------------------------------------------------------------
+BOX_FORMATS = ("XYXY", "XYWH", "CXCYWH")  # torchvision's names: corners; corner and size; centre and size
+
+
+def move_boxes(boxes: np.ndarray, fmt: str, region: Tuple[float, float, float, float], out_size: Tuple[int, int]
+               ) -> np.ndarray:
+    """[N,4] boxes in ``fmt`` (pixels of an image) as they lie once the image's ``region`` (top, left, height,
+    width) is scaled to ``out_size`` (height, width): moved, scaled and clamped to it (a box outside the region
+    keeps zero width or height, as torchvision's crops leave it, so the boxes stay aligned with any per-box
+    field); float32.  What a crop at decode and a resize at conversion both do to boxes."""
+    boxes = np.asarray(boxes, dtype=np.float32).reshape(-1, 4)
+    top, left, height, width = region
+    out_h, out_w = out_size
+    xyxy = _to_xyxy(boxes, fmt)
+    scale = np.array([out_w / width, out_h / height, out_w / width, out_h / height], dtype=np.float32)
+    moved = (xyxy - np.array([left, top, left, top], dtype=np.float32)) * scale
+    moved = np.clip(moved, 0, np.array([out_w, out_h, out_w, out_h], dtype=np.float32))
+    return _from_xyxy(moved, fmt)
+
+
+def _to_xyxy(boxes: np.ndarray, fmt: str) -> np.ndarray:
+    x, y, a, b = boxes.T
+    if fmt == "XYWH":
+        return np.stack([x, y, x + a, y + b], axis=1)
+    if fmt == "CXCYWH":
+        return np.stack([x - a / 2, y - b / 2, x + a / 2, y + b / 2], axis=1)
+    return boxes.copy()
+
+
+def _from_xyxy(boxes: np.ndarray, fmt: str) -> np.ndarray:
+    x0, y0, x1, y1 = boxes.T
+    if fmt == "XYWH":
+        return np.stack([x0, y0, x1 - x0, y1 - y0], axis=1).astype(np.float32)
+    if fmt == "CXCYWH":
+        return np.stack([(x0 + x1) / 2, (y0 + y1) / 2, x1 - x0, y1 - y0], axis=1).astype(np.float32)
+    return boxes.astype(np.float32)

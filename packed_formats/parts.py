@@ -240,6 +240,7 @@ def make_plan(source: Source, format: str, recipe: Any, on_error: str, shard_siz
         "encoding": recipe.encoding, "quality": recipe.quality, "on_error": on_error, "shard_size": shard_size,
         "slots": slot_count(len(source), shard_size), "tasks": tasks,
         **({"fields": [spec.describe() for spec in source.fields]} if source.fields else {}),
+        **({"boxes": [list(pair) for pair in recipe.boxes]} if recipe.boxes else {}),
     }
 
 

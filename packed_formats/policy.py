@@ -141,21 +141,28 @@ def resize(
     height, width = size
     if image.mode not in ("RGB", "L") and resample != Image.Resampling.NEAREST:
         image = image.convert("RGB")
-    box: Tuple[float, float, float, float]
-    if resize_mode == "stretch":
-        box = (0, 0, image.width, image.height)
-    elif resize_mode == "shorter-side-center-crop":
-        scale = max(width / image.width, height / image.height)
-        crop_w, crop_h = width / scale, height / scale
-        left, top = max(0.0, (image.width - crop_w) / 2), max(0.0, (image.height - crop_h) / 2)
-        box = (left, top, min(image.width, left + crop_w), min(image.height, top + crop_h))  # float rounding
-    else:
-        raise ValueError(f"resize mode must be one of {RESIZE_MODES}, got {resize_mode!r}")
+    box = kept_box(image.size, size, resize_mode)
     if image.size == (width, height) and box == (0, 0, width, height):
         return image
     if resample == Image.Resampling.NEAREST:
         return image.resize((width, height), resample, box=box)
     return image.resize((width, height), resample, box=box, reducing_gap=reducing_gap)
+
+
+def kept_box(source: Tuple[int, int], size: Tuple[int, int], resize_mode: str
+             ) -> Tuple[float, float, float, float]:
+    """The (left, top, right, bottom) of a ``source`` (width, height) image that ``resize`` scales to ``size``
+    (height, width): all of it when stretched, the centred box of the target's aspect when the shorter side is
+    fitted and the rest cropped."""
+    height, width = size
+    if resize_mode == "stretch":
+        return (0, 0, source[0], source[1])
+    if resize_mode == "shorter-side-center-crop":
+        scale = max(width / source[0], height / source[1])
+        crop_w, crop_h = width / scale, height / scale
+        left, top = max(0.0, (source[0] - crop_w) / 2), max(0.0, (source[1] - crop_h) / 2)
+        return (left, top, min(source[0], left + crop_w), min(source[1], top + crop_h))  # float rounding
+    raise ValueError(f"resize mode must be one of {RESIZE_MODES}, got {resize_mode!r}")
 
 
 def dct_scaled(stored: Tuple[int, int], wanted: Tuple[int, int]) -> Tuple[int, int]:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import numpy as np
 from PIL import Image
 
 from . import codecs, policy
-from .fields import FieldSpec
+from .fields import FieldSpec, move_boxes
 
 _REDUCING_GAP = 2.0  # shrink cheaply (JPEG draft, integer reduce) only down to twice the target size
 
@@ -47,6 +47,7 @@ class Recipe:
     resize_mode: str = "stretch"
     encoding: str = "jpeg"
     quality: int = 90
+    boxes: Tuple[Tuple[str, str], ...] = ()  # (array field, its box format): boxes a resize moves with the image
 
     def apply(self, stored: "bytes | np.ndarray") -> "bytes | np.ndarray":
         """The destination's sample (raises codecs.DecodeError for a bad image)."""
@@ -60,14 +61,27 @@ class Recipe:
             return pixels
         return codecs.encode(pixels, self.encoding, self.quality)
 
-    def field(self, spec: FieldSpec, value: Any) -> Any:
+    def field(self, spec: FieldSpec, value: Any, stored: Callable[[], Any]) -> Any:
         """A field's value as the destination stores it: an image field (a mask) resized as the image is, with
         nearest-neighbour sampling (its values are classes, never blended) and stored as PNG (its mode kept);
-        anything else as it is.  codecs.DecodeError when an image field does not decode."""
-        if spec.kind != "image" or self.size is None:
+        boxes (``boxes``) moved, scaled and clamped as the resize takes the sample's image (``stored()``, as the
+        source stores it); anything else as it is.  codecs.DecodeError when an image field does not decode."""
+        if self.size is None:
             return value
-        image = codecs.open_image(value) if isinstance(value, bytes) else Image.fromarray(np.asarray(value))
-        return spec.encode(policy.resize(image, self.size, self.resize_mode, resample=Image.Resampling.NEAREST))
+        if spec.kind == "image":
+            image = codecs.open_image(value) if isinstance(value, bytes) else Image.fromarray(np.asarray(value))
+            return spec.encode(policy.resize(image, self.size, self.resize_mode, resample=Image.Resampling.NEAREST))
+        fmt = dict(self.boxes).get(spec.name)
+        if fmt is None:
+            return value
+        array = np.asarray(value)
+        if array.ndim != len(spec.shape or ()) or array.shape[-1:] != (4,):
+            return value  # not boxes of its declaration: the writer refuses it by name
+        source = _image_size(stored())
+        left, top, right, bottom = policy.kept_box(source, self.size, self.resize_mode)
+        moved = move_boxes(array, fmt, (top, left, bottom - top, right - left), self.size).reshape(array.shape)
+        dtype = np.dtype(spec.dtype)
+        return (np.rint(moved) if dtype.kind in "iu" else moved).astype(dtype)
 
     def drops_alpha(self, stored: "bytes | np.ndarray") -> bool:
         """Whether making this sample drops a transparency (alpha) channel the source has."""
@@ -87,3 +101,10 @@ class Recipe:
         if self.size is not None:
             image = policy.resize(image, self.size, self.resize_mode, reducing_gap=_REDUCING_GAP)
         return codecs.pil_to_array(image, 3)
+
+
+def _image_size(stored: "bytes | np.ndarray") -> Tuple[int, int]:
+    """(width, height) of a source's stored image: an array's shape, or the file's header (nothing decoded)."""
+    if isinstance(stored, np.ndarray):
+        return int(stored.shape[1]), int(stored.shape[0])
+    return codecs.open_image(stored).size

@@ -23,10 +23,9 @@ import numpy as np
 import torch
 
 from . import codecs
-from .fields import FieldSpec
+from .fields import BOX_FORMATS, FieldSpec
 
 ROLES = ("value", "mask", "image", "boxes")
-BOX_FORMATS = ("XYXY", "XYWH", "CXCYWH")
 
 
 def parse_roles(fields: "Sequence[str] | Mapping[str, str] | None", specs: Sequence[FieldSpec],

@@ -412,7 +412,7 @@ def test_a_member_that_is_no_value_of_its_field_is_named_or_skipped(tmp_path, ch
 
 def test_fields_are_refused_where_they_cannot_be_packed(tmp_path):
     shard = write_shard(tmp_path / "shard-001.tar")
-    with pytest.raises(ValueError, match="array field boxes=array:float32\\[N,4\\], whose values cannot follow"):
+    with pytest.raises(ValueError, match="array field boxes=array:float32\\[N,4\\], which a resize of the images"):
         pf.convert(shard, tmp_path / "a.zip", fields=["seg=image", "boxes=array:float32[N,4]"], mode="raw", size=8,
                    quiet=True)
     with pytest.raises(pf.InvalidSourceError, match="arrays: declare"):

@@ -55,6 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=MODES, default="encoded", help="raw pixels or encoded bytes")
     parser.add_argument("--size", type=_size, metavar="N|HxW", help="resize to this size (required for raw)")
     parser.add_argument("--resize-mode", choices=RESIZE_MODES, default="stretch", help="how to resize for --size")
+    parser.add_argument("--boxes", action="append", metavar="NAME=FORMAT", default=[],
+                        help="an array field of boxes (XYXY, XYWH or CXCYWH, in the source image's pixels) that "
+                             "--size moves, scales and clamps with the image; repeatable")
+    parser.add_argument("--unscaled", action="append", metavar="NAME", default=[],
+                        help="an array field whose values do not depend on where things are in the image (per-box "
+                             "labels, scores) and that --size keeps as it is; repeatable")
     parser.add_argument("--quality", type=_quality, default=90, help="JPEG quality when re-encoding (default 90)")
     parser.add_argument("--encoding", choices=codecs.ENCODINGS, default="jpeg", help="format when re-encoding")
     parser.add_argument("--labels", metavar="FILE", help="label file for a flat folder of images")
@@ -143,6 +149,8 @@ def _convert(args: argparse.Namespace) -> ConvertSummary:
         on_error=args.on_error,
         quiet=args.quiet,
         part=args.part,
+        boxes=args.boxes,
+        unscaled=args.unscaled,
         **source_options(args),
     )
 
