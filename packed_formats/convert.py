@@ -41,7 +41,7 @@ from .errors import (
     PackedFormatError,
     RemoteNotFoundError,
 )
-from .fields import BOX_FORMATS, FieldSpec
+from .fields import BOX_FORMATS, FieldSpec, FieldValueError
 from .handles import pid_alive
 from .manifest import MODES
 from .parallel import WorkerDiedError, available_cores, ordered_map
@@ -54,6 +54,7 @@ from .space import archive_bytes, check_free_space, disk_usage, human_bytes
 ON_ERROR = ("raise", "skip")
 _TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.pf-tmp-(?P<pid>\d+)-[0-9a-f]{8}(-old)?$")
 _SIZED_FILES = 1000  # source files whose sizes are read to estimate a large folder's bytes
+_SIZED_FIELDS = 16  # samples whose fields are read to estimate the bytes of every sample's fields
 _REENCODED_RATIO = 20  # a re-encoded image is assumed to take at least 1/20 of its pixels' bytes
 _AS_STORED = (".jpg", ".jpeg", ".png")  # encoded mode keeps these files' own bytes
 
@@ -591,7 +592,26 @@ def estimated_archive_bytes(source: Source, recipe: Recipe, fmt: str, shard_size
         key_bytes=2 * key_bytes + 8,  # keys are stored at the longest one's width: the picks may miss it
         class_bytes=sum(len(c.encode()) + 8 for c in source.classes),
         parts=1 if not shard_size else -(-n // int(shard_size)),
+        fields=len(source.fields), field_payload=_field_bytes(source),
     )
+
+
+def _field_bytes(source: Source) -> int:
+    """A low estimate of the bytes the samples' fields take as stored: their values in up to _SIZED_FIELDS
+    evenly spread samples of a random-access source, as the source holds them (0 when its samples are read
+    in one ordered pass, or none of those can be read: the conversion reports those)."""
+    n = len(source)
+    if not source.fields or not source.random_access or n == 0:
+        return 0
+    picks = np.linspace(0, n - 1, min(n, _SIZED_FIELDS)).astype(np.int64).tolist()
+    total = 0
+    for i in picks:
+        try:
+            values = source.load_fields(i)
+            total += sum(len(spec.encode(values[spec.name])) for spec in source.fields)
+        except (PackedFormatError, FieldValueError, KeyError):
+            continue
+    return total * n // len(picks)
 
 
 def _source_bytes(source: Source) -> int:

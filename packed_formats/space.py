@@ -75,16 +75,18 @@ BLOCK = 4096  # a file system block: a file's last one is allocated whole
 _FILES_PER_PART = 8  # files a part has at most (memmap: a manifest and 6 arrays), each rounded up to a block
 _INDEX_BYTES = 8 + 4 + 8 + 8  # a sample's label (int64), CRC32, offset and position in the index arrays
 _MANIFEST_BYTES = 4096  # a manifest's fields, less its class names
+_FIELD_INDEX_BYTES = 8 + 4 + 8  # a field value's offset, CRC32 and position in its field's index arrays
 _MEMBER_BYTES = 128  # what a format adds per sample besides two copies of its key (ZIP: local and central headers)
 
 
 def archive_bytes(
     fmt: str, mode: str, count: int, payload: int, *, sample_bytes: Optional[int] = None, key_bytes: int = 32,
-    class_bytes: int = 0, parts: int = 1,
+    class_bytes: int = 0, parts: int = 1, fields: int = 0, field_payload: int = 0,
 ) -> int:
     """A high estimate of the disk space (whole blocks) an archive of format ``fmt`` takes: ``count``
     samples of ``payload`` bytes in all (each ``sample_bytes`` when they are all one size), keys of
-    ``key_bytes`` at most, class names of ``class_bytes`` in all, in ``parts`` parts.
+    ``key_bytes`` at most, class names of ``class_bytes`` in all, in ``parts`` parts; each sample with
+    ``fields`` field values, of ``field_payload`` bytes in all (each a record and index entries of its own).
 
     The format's writer says what it adds to the samples' bytes (its ``size_bound``, where it has one:
     pages, chunk indexes, metadata); every format also stores the index arrays and a manifest (in every
@@ -99,4 +101,5 @@ def archive_bytes(
     else:
         stored = bound(mode, count, payload, sample_bytes, key_bytes, parts)
     index = count * (_INDEX_BYTES + key_bytes) + parts * (_MANIFEST_BYTES + 2 * class_bytes)
+    stored += field_payload + count * fields * (_MEMBER_BYTES + 2 * key_bytes + _FIELD_INDEX_BYTES)
     return stored + index + parts * _FILES_PER_PART * BLOCK

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import packed_formats as pf
@@ -93,3 +94,29 @@ def test_the_estimate_covers_the_archive_written(tmp_path, image_folder, packed_
     pf.convert(image_folder, dst, format=fmt, mode=mode, size=SIZE if mode == "raw" else None, workers=1, quiet=True)
     taken = sum(-(-size // 4096) * 4096 for _, size in pf.space.archive_files(str(dst)))
     assert taken <= estimate(image_folder, fmt, mode) <= 4 * taken + (1 << 20)
+
+
+@pytest.mark.parametrize("fmt", pf.PACKED_FORMATS)
+def test_the_space_estimate_counts_the_bytes_of_every_samples_fields(tmp_path, fmt):
+    from PIL import Image
+
+    from packed_formats.space import disk_usage
+
+    root = tmp_path / "tree"
+    rng = np.random.default_rng(0)
+    for name in ("cat", "dog"):
+        (root / name).mkdir(parents=True)
+        for i in range(4):
+            Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(root / name / f"{i}.png")
+            (root / name / f"{i}.bin").write_bytes(rng.bytes(100_000))  # what the images alone would never cover
+    source = open_source(str(root), fields=["bin=bytes"])
+    try:
+        recipe = _recipe(source, "encoded", None, "stretch", "jpeg", 90)
+        estimate = estimated_archive_bytes(source, recipe, fmt)
+        without = estimated_archive_bytes(open_source(str(root)), recipe, fmt)
+    finally:
+        source.close()
+    out = tmp_path / f"out.{fmt}"
+    pf.convert(root, out, format=fmt, fields=["bin=bytes"], quiet=True, workers=1)
+    assert estimate - without >= 8 * 100_000
+    assert disk_usage(str(out)) <= estimate
