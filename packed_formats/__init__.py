@@ -6,7 +6,9 @@ __version__ = "0.1.0"
 from . import backends as _backends
 from .archives import open_archive
 from .backends import detect_format, open_writer
-from .backends.base import FormatSpec, Reader, Writer
+from .backends.base import FormatSpec
+from .backends.reader import Reader
+from .backends.writer import Writer
 from .convert import ConvertSummary, convert
 from .doctor import diagnose
 from .errors import (

@@ -13,7 +13,7 @@ from typing import Any, Dict, Optional
 
 from . import storage
 from .backends import open_local
-from .backends.base import Reader
+from .backends.reader import Reader
 from .policy import VerifyPolicy
 from .tracebacks import drops_frames
 

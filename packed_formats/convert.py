@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from . import codecs, storage
 from .backends import EXTENSIONS, PACKED_FORMATS, open_writer
-from .backends.base import remove_path
+from .backends.files import remove_path
 from .backends.sharded import ShardedWriter, existing_parts, part_name
 from .errors import (
     ArchiveExistsError,

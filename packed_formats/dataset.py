@@ -21,8 +21,8 @@ from PIL import Image
 from . import codecs, policy, sample_fields
 from .archives import open_archive
 from .backends import sniff_format
-from .backends.base import Reader
 from .backends.folder import IMAGE_EXTENSIONS
+from .backends.reader import Reader
 from .errors import ArchiveNotFoundError, PackedFormatError, SampleIndexError, note_fields
 from .handles import ProcessLocal
 from .index import SampleIndex, decode_key

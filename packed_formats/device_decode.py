@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from . import codecs, native, policy
-from .backends.base import Reader
+from .backends.reader import Reader
 from .errors import PackedFormatError
 from .transforms import functional as F
 

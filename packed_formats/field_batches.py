@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from . import codecs, policy
-from .backends.base import Reader
+from .backends.reader import Reader
 from .fields import FieldSpec, move_boxes
 from .sample_fields import field_value, image_output, mask_array, parse_roles, variable
 

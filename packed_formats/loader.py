@@ -23,7 +23,7 @@ import torch
 
 from . import slots, storage
 from .archives import open_archive
-from .backends.base import Reader
+from .backends.reader import Reader
 from .backends.sharded import given_max_open_parts
 from .dataset import PackedDataset
 from .device import CudaPrefetcher, copy_then_transform, resolve_device

@@ -46,7 +46,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 import numpy as np
 
 from . import __version__
-from .backends.base import remove_path, temp_path_for
+from .backends.files import remove_path, temp_path_for
 from .backends.sharded import index_text, part_name
 from .errors import ArchiveExistsError, ArchiveInUseError, CorruptArchiveError, IncompleteArchiveError
 from .manifest import part_of_set

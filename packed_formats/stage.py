@@ -32,7 +32,8 @@ from typing import Iterator, List, Optional, Tuple
 from . import storage
 from .archives import open_archive
 from .backends import PACKED_FORMATS, detect_format
-from .backends.base import Reader, publish, remove_path
+from .backends.files import publish, remove_path
+from .backends.reader import Reader
 from .backends.sharded import read_shard_index
 from .errors import (
     ArchiveChangedError,

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from . import codecs, device_decode, memory, policy
-from .backends.base import Reader
+from .backends.reader import Reader
 from .device_decode import EncodedBatch
 from .errors import CorruptSampleError, PackedFormatError
 from .field_batches import BatchFields, Where, apply_per_sample

@@ -21,7 +21,7 @@ import time
 import torch
 
 import packed_formats as pf
-from packed_formats.backends.base import Reader
+from packed_formats.backends.reader import Reader
 
 TRACKED = (Reader, pf.PackedDataset, pf.PackedLoader, torch.utils.data.DataLoader)
 

@@ -8,13 +8,15 @@ module or inside a function, counts).
   ``storage``.
 * The package's parts (its root modules and its subpackages, each as one) import each other without a
   circle.
+* Within ``backends``, the contract a format implements (``base.py``) imports neither the ``Reader`` nor
+  the ``Writer`` at run time, and the helpers it uses (``files.py``) none of the three.
 """
 
 from __future__ import annotations
 
 import ast
 import os
-from typing import Dict, List, Set
+from typing import Any, Dict, List, Set
 
 import packed_formats
 
@@ -35,11 +37,15 @@ def modules() -> Dict[str, str]:
     return found
 
 
-def imports(name: str, path: str, known: Dict[str, str]) -> Set[str]:
-    """The package's modules that module ``name`` imports, anywhere in it."""
+def imports(name: str, path: str, known: Dict[str, str], run_time: bool = False) -> Set[str]:
+    """The package's modules that module ``name`` imports, anywhere in it (``run_time``: but for the imports
+    under ``if TYPE_CHECKING:``, which only the type checker makes)."""
     package = name if path.endswith("__init__.py") else name.rsplit(".", 1)[0]
     out: Set[str] = set()
-    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    if run_time:
+        tree = WithoutTypeCheckingBlocks().visit(tree)
+    for node in ast.walk(tree):
         targets: List[str] = []
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
@@ -55,6 +61,17 @@ def imports(name: str, path: str, known: Dict[str, str]) -> Set[str]:
             if target in known and target != name:
                 out.add(target)
     return out
+
+
+class WithoutTypeCheckingBlocks(ast.NodeTransformer):
+    """A module's tree without the bodies of its ``if TYPE_CHECKING:`` blocks."""
+
+    def visit_If(self, node: ast.If) -> Any:
+        test = node.test
+        if (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+                isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"):
+            return [self.visit(child) for child in node.orelse]
+        return self.generic_visit(node)
 
 
 def part(module: str) -> str:
@@ -85,6 +102,31 @@ def test_the_foundations_import_only_each_other():
 def test_backends_import_only_foundations_and_know_nothing_of_urls():
     above = part_graph().get("backends", set()) - FOUNDATIONS
     assert not above, f"backends imports {sorted(above)}"
+
+
+def test_the_format_contract_imports_no_implementation():
+    """``backends/base.py`` is the contract a format implements, readable alone: it imports neither
+    ``reader`` nor ``writer`` when it runs (it names the Writer class only for the type checker), and
+    ``files.py``, the helpers it shares with them, imports none of the three."""
+    known = modules()
+    below = {
+        "packed_formats.backends.base": {"packed_formats.backends.reader", "packed_formats.backends.writer"},
+        "packed_formats.backends.files": {"packed_formats.backends.base", "packed_formats.backends.reader",
+                                          "packed_formats.backends.writer"},
+    }
+    for name, forbidden in below.items():
+        found = imports(name, known[name], known, run_time=True) & forbidden
+        assert not found, f"{name} imports {sorted(found)}"
+
+
+def test_run_time_imports_leave_out_only_type_checking_blocks(tmp_path):
+    """The check above sees an import made inside a function, and not one made for the type checker."""
+    source = tmp_path / "base.py"
+    source.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .writer import Writer\n"
+                      "else:\n    from . import files\ndef load():\n    from .reader import Reader\n")
+    known = {name: "" for name in ("pkg.base", "pkg.files", "pkg.reader", "pkg.writer")}
+    assert imports("pkg.base", str(source), known, run_time=True) == {"pkg.files", "pkg.reader"}
+    assert imports("pkg.base", str(source), known) == {"pkg.files", "pkg.reader", "pkg.writer"}
 
 
 def test_the_parts_import_each_other_without_a_circle():

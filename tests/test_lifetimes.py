@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import packed_formats as pf
-from packed_formats.backends.base import Reader
+from packed_formats.backends.reader import Reader
 
 from .conftest import RAW_SHAPE
 

@@ -98,8 +98,8 @@ def test_without_fields_the_loader_reads_no_field_byte(tmp_path, monkeypatch):
     def no(*args, **kwargs):
         raise AssertionError("a field was read")
 
-    monkeypatch.setattr(pf.backends.base.Reader, "read_field", no)
-    monkeypatch.setattr(pf.backends.base.Reader, "read_field_bytes", no)
+    monkeypatch.setattr(pf.backends.reader.Reader, "read_field", no)
+    monkeypatch.setattr(pf.backends.reader.Reader, "read_field_bytes", no)
     batches = list(pf.make_loader(path, batch_size=4, num_workers=0, shuffle=False))
     assert [len(labels) for _, labels in batches] == [4, 2]
 

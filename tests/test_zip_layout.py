@@ -405,7 +405,7 @@ def test_each_sample_checksum_is_computed_once_while_writing(tmp_path, monkeypat
         calls.append(len(data))
         return crc32(data, value)
 
-    for name in ("base", "zip", "hdf5", "lmdb", "memmap", "sharded"):
+    for name in ("reader", "writer", "zip", "hdf5", "lmdb", "memmap", "sharded"):
         module = importlib.import_module(f"packed_formats.backends.{name}")
         if getattr(module, "crc32", None) is checksum.crc32:
             monkeypatch.setattr(module, "crc32", counted)

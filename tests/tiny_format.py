@@ -13,8 +13,8 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from packed_formats.backends import FormatSpec, register
-from packed_formats.backends.base import Backend, Handle, Writer
+from packed_formats.backends import FormatSpec, Writer, register
+from packed_formats.backends.base import Backend, Handle
 from packed_formats.errors import ArchiveNotFoundError, CorruptArchiveError, IncompleteArchiveError
 from packed_formats.index import SampleIndex
 from packed_formats.manifest import ArchiveManifest

@@ -19,7 +19,9 @@ from ..errors import (
 from ..policy import VerifyPolicy
 from ..tracebacks import drops_frames
 from . import folder, hdf5, lmdb, memmap, sharded, zip
-from .base import Backend, FormatSpec, Reader, Writer
+from .base import Backend, FormatSpec
+from .reader import Reader
+from .writer import Writer
 
 # Detection asks each in this order: a shard index (a JSON file) before the binary
 # formats, and a plain image folder last.

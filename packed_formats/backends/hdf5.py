@@ -42,7 +42,9 @@ from ..fields import field_arrays
 from ..index import SampleIndex
 from ..manifest import ArchiveManifest
 from . import hdf5_fields, hdf5_guard, hdf5_layout, index_map, mapped
-from .base import DAMAGED_HINT, Backend, FormatSpec, Handle, Writer
+from .base import Backend, FormatSpec, Handle
+from .files import DAMAGED_HINT
+from .writer import Writer
 
 MANIFEST_ATTR = "packed_formats_manifest"
 _ENCODED_CHUNK = 1 << 16

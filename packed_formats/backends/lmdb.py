@@ -41,8 +41,10 @@ from ..fields import field_arrays
 from ..index import SampleIndex, from_npy_bytes, npy_record
 from ..manifest import ArchiveManifest
 from . import index_map, lmdb_pages
-from .base import Backend, FormatSpec, Handle, Writer, file_identity, handle_key
+from .base import Backend, FormatSpec, Handle
+from .files import file_identity, handle_key
 from .mapped import check_file_size
+from .writer import Writer
 
 MANIFEST_KEY = b"__manifest__"
 _INDEX_PREFIX = b"__index__/"

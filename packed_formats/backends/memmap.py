@@ -31,7 +31,8 @@ from ..fields import field_arrays
 from ..index import SampleIndex
 from ..manifest import ArchiveManifest
 from . import index_map, mapped
-from .base import Backend, FormatSpec, Handle, Writer
+from .base import Backend, FormatSpec, Handle
+from .writer import Writer
 
 MANIFEST = "manifest.json"
 _HEADER_BYTES = 128  # reserved .npy header, rewritten with the final shape at close

@@ -78,7 +78,9 @@ from ..errors import (
 from ..handles import ProcessLocal
 from ..index import JoinedArray, SampleIndex, by_part, field_array, part_of
 from ..manifest import ArchiveManifest, canonical_json, part_of_set
-from .base import Backend, FormatSpec, Handle, Reader, WriteTransaction, publish, remove_path, temp_path_for
+from .base import Backend, FormatSpec, Handle, WriteTransaction
+from .files import publish, remove_path, temp_path_for
+from .reader import Reader
 
 INDEX_VERSION = 2  # 2: sealed (``crc32``), with the set's id; 1: neither (still read)
 SEAL = "crc32"  # the index's key of its own checksum

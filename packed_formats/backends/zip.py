@@ -53,7 +53,9 @@ from ..fields import FIELD_ARRAY, field_arrays
 from ..index import Column, SampleIndex, field_array, from_npy_bytes
 from ..manifest import ArchiveManifest
 from . import index_map, mapped
-from .base import DAMAGED_HINT, Backend, FormatSpec, Handle, Writer
+from .base import Backend, FormatSpec, Handle
+from .files import DAMAGED_HINT
+from .writer import Writer
 from .zip_records import (
     CENTRAL_HEADER,
     LOCAL_HEADER,

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..archives import open_archive
 from ..backends import sniff_format
-from ..backends.base import Reader
+from ..backends.reader import Reader
 from ..errors import InvalidSourceError
 from .base import Data, Source, SourceOptions
 

@@ -50,7 +50,7 @@ import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from ..backends.base import remove_path
+from ..backends.files import remove_path
 from ..errors import CacheDirectoryError, InsufficientSpaceError, PackedFormatError
 from ..handles import pid_alive
 from ..space import check_free_space, human_bytes

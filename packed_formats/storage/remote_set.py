@@ -45,7 +45,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple, ca
 
 import numpy as np
 
-from ..backends.base import Reader, remove_path
+from ..backends.files import remove_path
+from ..backends.reader import Reader
 from ..backends.sharded import (
     ShardedBackend,
     ShardedHandle,
