@@ -37,6 +37,14 @@ def uploaded(s3, local: str) -> str:
     return url
 
 
+@pytest.fixture(scope="module")
+def remote_set(s3, local_set):
+    """The local set uploaded once for the module's tests that only read it (each with a cache of its own)."""
+    with pytest.MonkeyPatch.context() as patch:
+        s3.use_env(patch)
+        return uploaded(s3, local_set[0])
+
+
 def samples_of(s3, url: str) -> tuple:
     """(the set's index, the arrays of its sample index) as they are in the store."""
     spec = json.loads(s3.fs().cat_file(url))
@@ -45,21 +53,24 @@ def samples_of(s3, url: str) -> tuple:
         return spec, {name: npz[name] for name in npz.files}
 
 
-def put_samples(s3, url: str, spec: dict, arrays: dict) -> None:
-    """Replace the sample index by ``arrays`` and seal the set's index again over it, as a writer would."""
+def put_samples(s3, url: str, spec: dict, arrays: dict, name: str) -> str:
+    """Beside the set at ``url``, a set index ``name`` over the same parts with ``arrays`` as its sample index,
+    sealed as a writer seals one (its checksum is no signature); its URL."""
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
     data = buffer.getvalue()
-    s3.put(url.rsplit("/", 1)[0] + "/" + spec["samples"]["name"], data)
-    spec["samples"].update(size=len(data), crc32=zlib.crc32(data))
+    folder = url.rsplit("/", 1)[0]
+    spec["samples"].update(name=f"{name}-samples.npz", size=len(data), crc32=zlib.crc32(data))
+    s3.put(f"{folder}/{spec['samples']['name']}", data)
     extra = {k: v for k, v in spec.items() if k not in ("packed_formats_shards", "format", "set_id", "parts", "crc32")}
-    s3.put(url, index_text(spec["format"], [(p["name"], p["count"]) for p in spec["parts"]], spec["set_id"],
-                           **extra).encode())
+    s3.put(f"{folder}/{name}.zip", index_text(spec["format"], [(p["name"], p["count"]) for p in spec["parts"]],
+                                              spec["set_id"], **extra).encode())
+    return f"{folder}/{name}.zip"
 
 
-def test_every_field_of_a_set_in_the_store_reads_back_checked(s3_env, local_set, tmp_path):
+def test_every_field_of_a_set_in_the_store_reads_back_checked(s3_env, local_set, remote_set, tmp_path):
     local, written = local_set
-    url = uploaded(s3_env, local)
+    url = remote_set
     _, arrays = samples_of(s3_env, url)
     assert arrays["field_crc32"].shape == (len(FIELDS), 7) and arrays["field_crc32"].dtype == np.uint32
     with pf.open_archive(url, cache_dir=str(tmp_path / "cache")) as reader:
@@ -69,15 +80,16 @@ def test_every_field_of_a_set_in_the_store_reads_back_checked(s3_env, local_set,
                 assert_value(name, reader.read_field(i, name), want)
 
 
-def test_make_loader_batches_the_fields_of_a_set_in_the_store_in_spawned_workers(s3_env, local_set, tmp_path):
-    local, _ = local_set
-    url = uploaded(s3_env, local)
+def test_make_loader_batches_the_fields_of_a_set_in_the_store_in_spawned_workers(s3_env, local_set, remote_set,
+                                                                                  tmp_path):
+    local, url = local_set[0], remote_set
 
-    def batches(source):
-        return list(pf.make_loader(source, batch_size=3, shuffle=False, num_workers=2, fields=["mask", "caption"],
-                                   multiprocessing_context="spawn", cache_dir=str(tmp_path / "cache")))
+    def batches(source, workers):  # spawned workers receive the remote set pickled, its field CRC32s mapped again
+        return list(pf.make_loader(source, batch_size=3, shuffle=False, num_workers=workers,
+                                   fields=["mask", "caption"], multiprocessing_context="spawn",
+                                   cache_dir=str(tmp_path / "cache")))
 
-    remote, here = batches(url), batches(local)
+    remote, here = batches(url, 2), batches(local, 0)
     assert len(remote) == len(here) == 3
     for mine, theirs in zip(remote, here):
         assert torch.equal(mine["image"], theirs["image"]) and torch.equal(mine["mask"], theirs["mask"])
@@ -99,10 +111,8 @@ def test_a_single_archive_with_fields_in_the_store_is_indexed_from_itself(s3_env
 @pytest.mark.parametrize("case", ["missing", "a row short", "one sample's crc rewritten", "as a 1-D array",
                                   "on a set without fields"])
 def test_a_sample_index_whose_field_crcs_do_not_fit_is_a_named_error_never_an_unchecked_read(
-        case, s3_env, local_set, tmp_path):
-    local, _ = local_set
-    url = uploaded(s3_env, local)
-    spec, arrays = samples_of(s3_env, url)
+        case, s3_env, remote_set, tmp_path):
+    spec, arrays = samples_of(s3_env, remote_set)
     rows = arrays["field_crc32"]
     if case == "missing":
         del arrays["field_crc32"]
@@ -120,7 +130,7 @@ def test_a_sample_index_whose_field_crcs_do_not_fit_is_a_named_error_never_an_un
         from packed_formats.manifest import ArchiveManifest
 
         spec["manifest"] = dataclasses.replace(ArchiveManifest.from_json(spec["manifest"]), fields=()).to_json()
-    put_samples(s3_env, url, spec, arrays)
+    url = put_samples(s3_env, remote_set, spec, arrays, case.replace(" ", "-").replace("'", ""))
     expected = {"missing": (CorruptArchiveError, "field 'field_crc32' is missing"),
                 "a row short": (CorruptArchiveError, "field 'field_crc32' has shape \\(3, 7\\), not \\(4 fields"),
                 "one sample's crc rewritten": (RemoteChangedError, "field.caption.crc32 differ from the set's"),
@@ -132,9 +142,8 @@ def test_a_sample_index_whose_field_crcs_do_not_fit_is_a_named_error_never_an_un
     assert str(caught.value).startswith("s3://")
 
 
-def test_a_cached_part_whose_field_bytes_are_damaged_is_fetched_again(s3_env, local_set, tmp_path):
-    local, written = local_set
-    url = uploaded(s3_env, local)
+def test_a_cached_part_whose_field_bytes_are_damaged_is_fetched_again(s3_env, local_set, remote_set, tmp_path):
+    written, url = local_set[1], remote_set
     cache = str(tmp_path / "cache")
     with pf.open_archive(url, cache_dir=cache) as reader:
         assert reader.read_field(4, "caption") == written[4]["caption"]
