@@ -9,7 +9,6 @@ from .backends import detect_format, open_writer
 from .backends.base import FormatSpec
 from .backends.reader import Reader
 from .backends.writer import Writer
-from .convert import ConvertSummary, convert
 from .doctor import diagnose
 from .errors import (
     ArchiveChangedError,
@@ -43,6 +42,7 @@ from .errors import (
 from .manifest import ArchiveManifest
 from .stage import stage
 from .verify import VerifyReport, verify_archive
+from .writing.convert import ConvertSummary, convert
 
 __all__ = [
     "FORMATS",
@@ -100,13 +100,13 @@ __all__ = [
 # torch takes seconds to import: what needs it loads on first use, so that
 # `import packed_formats` and `packed-formats info/verify/convert` start quickly.
 _LAZY = {
-    "PackedDataset": ".dataset",
-    "PackedLoader": ".loader",
-    "ResumableSampler": ".resume",
-    "SkippedSampleWarning": ".loader",
+    "PackedDataset": ".loading.dataset",
+    "PackedLoader": ".loading.loader",
+    "ResumableSampler": ".loading.resume",
+    "SkippedSampleWarning": ".loading.loader",
     "SourceWarning": ".sources.base",
     "UnpicklingWarning": ".sources.base",
-    "make_loader": ".loader",
+    "make_loader": ".loading.loader",
     "transforms": ".transforms",
 }
 

@@ -15,8 +15,8 @@ import textwrap
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from .errors import PackedFormatError
-from .parallel import available_cores
 from .space import human_bytes as _size
+from .writing.parallel import available_cores
 
 MOUNTS = "/proc/mounts"
 SHM = "/dev/shm"
@@ -169,7 +169,7 @@ def _torchvision_jpeg() -> Dict[str, Any]:
     try:
         import torchvision
 
-        from .device_decode import decoder_error
+        from .loading.device_decode import decoder_error
     except Exception as exc:  # torchvision missing or broken
         return {"torchvision_version": None, "torchvision_decode_jpeg": False, "torchvision_error": repr(exc)}
     error = decoder_error()  # decodes a small JPEG (a build without its image extension cannot)

@@ -19,7 +19,7 @@ from torchvision.transforms.v2 import functional as TF
 
 import packed_formats as pf
 from packed_formats import transforms as T
-from packed_formats.device import copy_then_transform
+from packed_formats.loading.device import copy_then_transform
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]

@@ -18,13 +18,19 @@ import pytest
 from PIL import Image
 
 import packed_formats as pf
-from packed_formats import codecs, parallel
+from packed_formats import codecs
 from packed_formats.backends.zip import ZipWriter
-from packed_formats.convert import clean_stale_temp_files, convert, estimated_archive_bytes, estimated_output_bytes
-from packed_formats.parallel import ordered_map
-from packed_formats.prepare import Recipe, parse_size
 from packed_formats.sources import open_source
 from packed_formats.verify import verify_archive
+from packed_formats.writing import parallel
+from packed_formats.writing.convert import (
+    clean_stale_temp_files,
+    convert,
+    estimated_archive_bytes,
+    estimated_output_bytes,
+)
+from packed_formats.writing.parallel import ordered_map
+from packed_formats.writing.prepare import Recipe, parse_size
 
 from .conftest import CLASSES, PER_CLASS
 
@@ -537,7 +543,7 @@ def test_a_signal_reaching_a_worker_forked_before_its_handlers_are_set_is_no_tra
     would: SIGINT ignored (the main process stops the conversion), the others end it, no traceback."""
     import multiprocessing
 
-    from packed_formats.convert import _signals_interrupt
+    from packed_formats.writing.convert import _signals_interrupt
 
     with _signals_interrupt():
         child = multiprocessing.get_context("fork").Process(target=_signal_self, args=(getattr(signal, name),))

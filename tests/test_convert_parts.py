@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import packed_formats as pf
-from packed_formats import parts
 from packed_formats.cli import main
-from packed_formats.convert import convert
+from packed_formats.writing import parts
+from packed_formats.writing.convert import convert
 
 SHARD = 5  # 24 samples: slots of 5, 5, 5, 5, 4
 

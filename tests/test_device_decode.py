@@ -17,8 +17,8 @@ import torch
 from PIL import Image
 
 import packed_formats as pf
-from packed_formats import device_decode
 from packed_formats import transforms as T
+from packed_formats.loading import device_decode
 from packed_formats.synthetic import make_photo_folder
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -195,7 +195,7 @@ def test_workers_cut_crops_for_a_device_that_does_the_rest(photos, monkeypatch):
     """What a GPU gets from an encoded archive under decode="workers" with train or val and no size:
     crops cut while decoding in the workers (at the least DCT scale, as on the CPU), the rest of the
     transform on the device from the batch's generator.  Run here with the CPU as that device."""
-    from packed_formats import loader as loader_module
+    from packed_formats.loading import loader as loader_module
 
     for transform in (T.train(64), T.val(64, resize=72)):
         workers = epoch(photos, "workers", workers=2, transform=transform)
@@ -211,7 +211,7 @@ def test_workers_cut_crops_for_a_device_that_does_the_rest(photos, monkeypatch):
 def test_batches_sent_in_reused_shared_memory_slots_are_not_overwritten(mixed, monkeypatch, send):
     """Every batch's bytes and crops travel in the workers' slots here (a 1-byte floor instead of
     1 MiB); over three epochs each slot is reused, and no batch kept is changed by a later one."""
-    from packed_formats import loader as loader_module
+    from packed_formats.loading import loader as loader_module
     from packed_formats.memory import SlotPool
 
     expected = [epoch(mixed, "workers", workers=2) for _ in range(3)]
@@ -229,7 +229,7 @@ def test_batches_sent_in_reused_shared_memory_slots_are_not_overwritten(mixed, m
 
 
 def test_what_the_workers_send_for_each_device_and_transform(photos, tmp_path):
-    from packed_formats.loader import _what_workers_send
+    from packed_formats.loading.loader import _what_workers_send
 
     raw = pf.convert(photos, str(tmp_path / "raw.zip"), mode="raw", size=(32, 32), quiet=True).destination
     cuda, cpu = torch.device("cuda"), torch.device("cpu")

@@ -13,7 +13,7 @@ import warnings
 import pytest
 
 import packed_formats as pf
-from packed_formats.loader import shard_indices
+from packed_formats.loading.loader import shard_indices
 
 from .conftest import ALL_KINDS, RAW_SHAPE, expected_samples, write_archive
 
@@ -77,7 +77,7 @@ def test_a_loader_built_before_the_process_group_is_sharded_when_it_iterates(tor
 
 
 def test_under_a_launcher_without_a_process_group_the_loader_warns_once(uniform_archives, monkeypatch):
-    from packed_formats import sampling
+    from packed_formats.loading import sampling
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(sampling, "_warned_unsharded", False)

@@ -15,9 +15,9 @@ import torch
 from PIL import Image
 
 import packed_formats as pf
-from packed_formats import sample_fields
 from packed_formats.backends import memmap
 from packed_formats.fields import FieldSpec, FieldValueError
+from packed_formats.loading import sample_fields
 from packed_formats.manifest import FIELDS_VERSION, PLAIN_VERSION, ArchiveManifest
 
 FIELD_FORMATS = tuple(f for f in pf.PACKED_FORMATS if pf.backends.writer_class(f).stores_fields)  # all of ours

@@ -33,7 +33,7 @@ def small_tmpfs(tmp_path):
 def test_a_disk_filling_up_mid_conversion_gives_a_named_error_and_leaves_nothing(
     small_tmpfs, image_folder, monkeypatch, fmt
 ):
-    convert_module = importlib.import_module("packed_formats.convert")
+    convert_module = importlib.import_module("packed_formats.writing.convert")
     monkeypatch.setattr(convert_module, "check_free_space", lambda *args, **kwargs: None)  # let it start
     dst = small_tmpfs / f"out.{EXTENSION[fmt]}"
     with pytest.raises(pf.PackedFormatError) as error:  # raw 512x512: ~19 MiB, more than the disk holds

@@ -15,8 +15,8 @@ import zipfile
 import pytest
 
 import packed_formats as pf
-from packed_formats.convert import convert
 from packed_formats.sources import SourceMemberWarning, open_source
+from packed_formats.writing.convert import convert
 
 from .conftest import CLASSES, PER_CLASS
 from .test_sources import folder_samples, nested_members, tar_bytes, tree_members, write_zip

@@ -11,8 +11,8 @@ import pytest
 
 import packed_formats as pf
 from packed_formats import cli
-from packed_formats.convert import convert
 from packed_formats.sources import detect_source, open_source
+from packed_formats.writing.convert import convert
 
 from .conftest import CLASSES, PER_CLASS
 from .test_sources import contents, folder_samples

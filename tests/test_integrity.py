@@ -319,7 +319,7 @@ def test_verify_once_checks_a_sample_the_first_time_each_process_reads_it(unifor
 def test_the_workers_context_keeps_the_start_method_and_reads_the_stop_event_without_its_lock(uniform_archives):
     import multiprocessing
 
-    from packed_formats.worker_context import LockFreeEvent, worker_context
+    from packed_formats.loading.worker_context import LockFreeEvent, worker_context
 
     default = multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
     for given, method in [(None, default), ("spawn", "spawn"),

@@ -6,6 +6,8 @@ module or inside a function, counts).
 * ``backends`` (the formats) imports only foundations: it knows nothing of URLs, stores, datasets or
   loaders.  ``archives`` is where a path or a URL is told apart, above both ``backends`` and
   ``storage``.
+* ``loading`` (from an archive to batches) and ``writing`` (from a source to an archive) never import
+  each other: what both need is a foundation or a backend.
 * The package's parts (its root modules and its subpackages, each as one) import each other without a
   circle.
 * Within ``backends``, the contract a format implements (``base.py``) imports neither the ``Reader`` nor
@@ -104,6 +106,13 @@ def test_backends_import_only_foundations_and_know_nothing_of_urls():
     assert not above, f"backends imports {sorted(above)}"
 
 
+def test_the_read_path_and_the_write_path_never_import_each_other():
+    graph = part_graph()
+    assert "writing" not in graph.get("loading", set()), "loading imports writing"
+    assert "loading" not in graph.get("writing", set()), "writing imports loading"
+    assert {"backends", "archives"} <= graph["loading"] and {"backends", "sources"} <= graph["writing"]
+
+
 def test_the_format_contract_imports_no_implementation():
     """``backends/base.py`` is the contract a format implements, readable alone: it imports neither
     ``reader`` nor ``writer`` when it runs (it names the Writer class only for the type checker), and
@@ -146,7 +155,7 @@ def test_the_parts_import_each_other_without_a_circle():
     for node in sorted(graph):
         if node not in state:
             walk(node, [node])
-    assert {"backends", "storage", "archives", "loader", "dataset"} <= set(graph)  # the walk saw the package
+    assert {"backends", "storage", "archives", "loading", "writing"} <= set(graph)  # the walk saw the package
 
 
 def test_the_circle_check_finds_a_circle():

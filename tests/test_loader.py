@@ -12,7 +12,7 @@ import torch
 
 import packed_formats as pf
 from packed_formats import transforms as T
-from packed_formats.loader import SkippedSampleWarning, shard_indices
+from packed_formats.loading.loader import SkippedSampleWarning, shard_indices
 
 from .conftest import RAW_SHAPE, digest, kind_id, sample_lookup
 
@@ -77,7 +77,7 @@ def test_epochs_are_shuffled_differently_and_reproducibly(uniform_archives):
 def test_the_epoch_order_is_drawn_once_when_the_first_batch_is_asked_for(uniform_archives, monkeypatch, num_workers):
     # At millions of samples one draw costs a good part of a second: a DataLoader asks its sampler
     # for an iterator twice before it uses one, and a loader built must draw nothing at all.
-    from packed_formats import sampling
+    from packed_formats.loading import sampling
 
     draws = []
     real = sampling.epoch_order

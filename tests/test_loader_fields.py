@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 import packed_formats as pf
-from packed_formats.field_batches import cut_boxes, cut_mask
+from packed_formats.loading.field_batches import cut_boxes, cut_mask
 
 from .test_fields import FIELD_FORMATS, assert_value, write
 

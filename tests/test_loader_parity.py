@@ -21,7 +21,7 @@ from torch import nn
 
 import packed_formats as pf
 from packed_formats import memory
-from packed_formats.sampling import shard_indices
+from packed_formats.loading.sampling import shard_indices
 
 NUMBERED = 32  # samples of the numbered archives: 2 ranks x 4 batches of 4
 HERE = os.path.abspath(__file__)

@@ -21,9 +21,9 @@ from PIL import Image
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import packed_formats as pf
-from packed_formats import device_decode
 from packed_formats import transforms as T
-from packed_formats.device import copy_then_transform, in_memory_format
+from packed_formats.loading import device_decode
+from packed_formats.loading.device import copy_then_transform, in_memory_format
 from packed_formats.synthetic import make_photo_folder
 
 ALLOCATIONS = {"empty", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh"}

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import packed_formats as pf
-from packed_formats.resume import STATE_VERSION
-from packed_formats.sampling import epoch_order, split_order
+from packed_formats.loading.resume import STATE_VERSION
+from packed_formats.loading.sampling import epoch_order, split_order
 
 from .resume_worker import loader_for, record, transform
 

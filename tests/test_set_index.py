@@ -18,11 +18,12 @@ import numpy as np
 import pytest
 
 import packed_formats as pf
-from packed_formats import codecs, parts, storage
+from packed_formats import codecs, storage
 from packed_formats.backends.sharded import INDEX_VERSION, ShardedWriter, index_text, read_shard_index
 from packed_formats.cli import main
-from packed_formats.convert import convert
 from packed_formats.manifest import FORMAT_VERSION, PLAIN_VERSION, SET_VERSION
+from packed_formats.writing import parts
+from packed_formats.writing.convert import convert
 
 FORMATS = ["zip", "hdf5", "lmdb", "memmap"]
 EXT = {"zip": ".zip", "hdf5": ".h5", "lmdb": ".lmdb", "memmap": ".memmap"}

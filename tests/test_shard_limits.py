@@ -235,7 +235,7 @@ def test_a_bound_must_be_a_positive_integer(sharded, monkeypatch):
 
 
 def test_make_loader_keeps_the_bound_of_a_reader_it_is_given(sharded):
-    from packed_formats.loader import make_loader
+    from packed_formats.loading.loader import make_loader
 
     loader = make_loader(pf.open_archive(sharded("zip"), max_open_parts=6), num_workers=0)
     assert loader.reader.backend.max_open_parts == 6
@@ -270,7 +270,7 @@ def test_a_bound_that_cannot_fit_the_open_file_limit_is_refused_at_open(sharded,
 
 # ---- make_loader with workers ---------------------------------------------------------------------------
 LOADER = """
-from packed_formats.loader import make_loader
+from packed_formats.loading.loader import make_loader
 loader = make_loader(sys.argv[1], batch_size=64, num_workers=2, shuffle=True, multiprocessing_context="fork")
 seen, wrong, peak = [], [], 0
 for images, labels in loader:
@@ -296,7 +296,7 @@ def test_make_loader_with_two_workers_reads_300_parts_under_a_low_open_file_limi
 # ---- never a hang ---------------------------------------------------------------------------------------
 HAND_BACK = """
 import resource
-from packed_formats.loader import make_loader
+from packed_formats.loading.loader import make_loader
 
 def no_descriptor_left(batch):
     # This worker cannot open one more file from here on (new descriptors would be numbered 3 or
@@ -329,7 +329,7 @@ def test_a_worker_that_cannot_hand_a_batch_back_fails_the_loader_in_seconds(shar
 KILL = """
 import signal
 import torch
-from packed_formats.loader import make_loader
+from packed_formats.loading.loader import make_loader
 if sys.argv[2] == "make_loader":
     loader = make_loader(sys.argv[1], batch_size=8, num_workers=2, multiprocessing_context="fork")
     batches = iter(loader)

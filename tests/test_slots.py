@@ -16,10 +16,10 @@ import torch
 from torch.multiprocessing import reductions
 
 import packed_formats as pf
-from packed_formats import slots
 from packed_formats import transforms as T
+from packed_formats.loading import slots
+from packed_formats.loading.slots import BatchSlots
 from packed_formats.memory import FREE, SENT, SlotPool
-from packed_formats.slots import BatchSlots
 
 from .test_loader import corrupt_copy
 

@@ -216,9 +216,9 @@ def wait_for_array(env, array_id: str, timeout: float = 240) -> None:
 
 
 def test_conversion_as_an_array_of_four_with_one_task_cancelled_and_submitted_again(slurm, image_folder, tmp_path):
-    from packed_formats import parts
-    from packed_formats.convert import convert
     from packed_formats.errors import IncompleteArchiveError
+    from packed_formats.writing import parts
+    from packed_formats.writing.convert import convert
 
     (tmp_path / "set").mkdir()
     (tmp_path / "one").mkdir()

@@ -28,7 +28,6 @@ import pytest
 
 import packed_formats as pf
 from packed_formats import cli, codecs, sources
-from packed_formats.convert import convert
 from packed_formats.sources import (
     Sample,
     Source,
@@ -39,6 +38,7 @@ from packed_formats.sources import (
     source_formats,
     tarfiles,
 )
+from packed_formats.writing.convert import convert
 
 from .conftest import CLASSES, PER_CLASS, RAW_SHAPE
 

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import packed_formats as pf
-from packed_formats.convert import _recipe, estimated_archive_bytes
 from packed_formats.sources import open_source
+from packed_formats.writing.convert import _recipe, estimated_archive_bytes
 
 from .conftest import CLASSES
 

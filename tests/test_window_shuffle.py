@@ -11,7 +11,7 @@ import pytest
 
 import packed_formats as pf
 from packed_formats.backends.sharded import ShardedWriter
-from packed_formats.sampling import (
+from packed_formats.loading.sampling import (
     epoch_order,
     part_windows,
     parts_in_order,

@@ -27,9 +27,9 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import packed_formats as pf  # noqa: E402
-from packed_formats.prepare import parse_size  # noqa: E402
 from packed_formats.space import disk_usage  # noqa: E402
 from packed_formats.synthetic import CLASSES, make_image_folder  # noqa: E402
+from packed_formats.writing.prepare import parse_size  # noqa: E402
 
 EXTENSION = {"zip": ".zip", "hdf5": ".h5", "lmdb": ".lmdb", "memmap": ".memmap"}
 

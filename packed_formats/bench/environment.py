@@ -6,8 +6,8 @@ import os
 import platform
 from typing import Dict, List, Optional, Tuple
 
-from ..parallel import available_cores
 from ..space import archive_files
+from ..writing.parallel import available_cores
 
 
 def cpu_count() -> Dict[str, Optional[int]]:

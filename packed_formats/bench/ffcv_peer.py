@@ -107,7 +107,7 @@ def ffcv_status() -> Dict[str, Any]:
 def prepare(work: str, images: Optional[str], count: int, sizes: Tuple[int, int], raw_size: int,
             quality: int, with_ffcv: bool) -> Dict[str, str]:
     """Write (or reuse) the photographs and every archive under ``work``; return their paths by name."""
-    from ..convert import convert
+    from ..writing.convert import convert
 
     os.makedirs(work, exist_ok=True)
     paths = {"images": images or os.path.join(work, "photos"),
@@ -136,7 +136,7 @@ class _Pixels:
     """An archive's samples as FFCV's writer takes them: ``(uint8 HxWx3 array, label)`` by index."""
 
     def __init__(self, path: str) -> None:
-        from ..dataset import PackedDataset
+        from ..loading.dataset import PackedDataset
 
         self.dataset = PackedDataset(path, output="numpy")
 
@@ -182,7 +182,7 @@ def our_transform(pipeline: str, size: int) -> Optional[Callable]:
 def our_loader(path: str, cell: Cell, layout: str, size: int, batch_size: int, workers: int,
                start_method: Optional[str], seed: int) -> Any:
     """``make_loader`` for one cell and layout."""
-    from ..loader import make_loader
+    from ..loading.loader import make_loader
 
     return make_loader(path, batch_size=batch_size, shuffle=True, num_workers=workers, drop_last=False,
                        seed=seed, transform=our_transform(cell.pipeline, size), memory_format=memory_format(layout),

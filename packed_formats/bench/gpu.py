@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 import numpy as np
 import torch
 
-from .. import device_decode
+from ..loading import device_decode
 from ..synthetic import make_photo_folder
 from .environment import describe_environment
 from .loaders import ToDevice, torchvision_transform
@@ -57,7 +57,7 @@ def cell_names(workers: int) -> List[str]:
 # ---- data ----
 def make_data(folder: str, images: int, sizes: Sequence[int], log: Callable[[str], None]) -> Dict[str, str]:
     """The photographs and their archives under ``folder`` (made once, reused after)."""
-    from .. import convert
+    from ..writing.convert import convert
 
     photos = os.path.join(folder, "photos")
     if not os.path.isdir(photos):

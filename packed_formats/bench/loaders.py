@@ -61,7 +61,7 @@ def imagefolder_loader(path: str, pipeline: str, size: int, batch_size: int, wor
 def dataset_loader(path: str, mode: str, pipeline: str, size: int, batch_size: int, workers: int, shuffle: bool,
                    context: Optional[str]):
     """PackedDataset in a plain DataLoader (batched reads via __getitems__, per-sample transforms)."""
-    from ..dataset import PackedDataset
+    from ..loading.dataset import PackedDataset
 
     if pipeline == "none":
         dataset = PackedDataset(path, output="tensor")
@@ -142,7 +142,7 @@ class PlainCopyLoader:
     def __init__(self, path: str, mode: str, pipeline: str, size: int, batch_size: int, workers: int,
                  shuffle: bool, context: Optional[str], decode_size: Optional[int] = None, seed: int = 0,
                  device: str = "cuda"):
-        from ..sampling import batch_generator
+        from ..loading.sampling import batch_generator
 
         self.host = make_loader_loader(path, mode, "none", size, batch_size, workers, shuffle, context,
                                        decode_size, seed, device="cpu")
@@ -153,7 +153,7 @@ class PlainCopyLoader:
         return len(self.host)
 
     def __iter__(self):
-        from ..device import copy_then_transform
+        from ..loading.device import copy_then_transform
 
         batches = iter(self.host)  # starts the next epoch
         epoch, seed = self.host.epoch, self.seed

@@ -69,7 +69,7 @@ class BenchConfig:
         if self.device != "cpu" and not self.on_cuda:
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
         if self.on_cuda:
-            from ..loader import resolve_device
+            from ..loading.loader import resolve_device
 
             resolve_device(self.device)  # ValueError when there is no GPU
 

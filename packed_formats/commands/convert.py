@@ -10,13 +10,13 @@ from typing import Any, Dict, Iterator, List, Union
 
 from .. import codecs
 from ..backends import PACKED_FORMATS
-from ..convert import ON_ERROR, ConversionInterrupted, ConvertSummary, convert
 from ..manifest import MODES
-from ..parts import parse_part
 from ..policy import RESIZE_MODES
-from ..prepare import parse_size
 from ..sources import source_formats
 from ..storage.urls import redact
+from ..writing.convert import ON_ERROR, ConversionInterrupted, ConvertSummary, convert
+from ..writing.parts import parse_part
+from ..writing.prepare import parse_size
 
 HELP = "pack an image dataset (a folder, or the zip/tar/HDF5/... it came in) into a zip/hdf5/lmdb/memmap archive"
 EXAMPLES = """examples:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..parts import join
+from ..writing.parts import join
 
 HELP = "write the index of a sharded set whose parts were converted by separate tasks (convert --part)"
 EXAMPLES = """examples:

@@ -37,7 +37,7 @@ from torch import nn
 
 import packed_formats as pf
 from packed_formats.doctor import processes_per_node, suggested_num_workers
-from packed_formats.parallel import available_cores
+from packed_formats.writing.parallel import available_cores
 
 
 def parse_args(argv=None) -> argparse.Namespace:

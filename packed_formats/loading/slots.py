@@ -47,9 +47,9 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 import numpy as np
 import torch
 
-from .errors import PackedFormatError, TooManyOpenFilesError
-from .handles import ProcessLocal
-from .memory import FREE, SENT, SLOTS_PER_WORKER, _layout, _typed, choose_slot, memory_format_of, pickled, worker_row
+from ..errors import PackedFormatError, TooManyOpenFilesError
+from ..handles import ProcessLocal
+from ..memory import FREE, SENT, SLOTS_PER_WORKER, _layout, _typed, choose_slot, memory_format_of, pickled, worker_row
 
 SHARED_DIRECTORY = "/dev/shm"
 ALIGN = 64  # where each tensor after the first starts in a slot

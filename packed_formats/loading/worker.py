@@ -21,18 +21,19 @@ from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 
-from . import codecs, device_decode, memory, policy
-from .backends.reader import Reader
+from .. import codecs, memory, policy
+from ..backends.reader import Reader
+from ..errors import CorruptSampleError, PackedFormatError
+from ..handles import ProcessLocal
+from ..memory import SentBatch, SlotPool
+from ..policy import Skipped
+from ..transforms import apply_with_labels
+from ..transforms.at_decode import CropAtDecode, split_at_decode
+from . import device_decode
 from .device_decode import EncodedBatch
-from .errors import CorruptSampleError, PackedFormatError
 from .field_batches import BatchFields, Where, apply_per_sample
-from .handles import ProcessLocal
-from .memory import SentBatch, SlotPool
-from .policy import Skipped
 from .sampling import BatchPlan, batch_seed, seed_globals
 from .slots import BatchSlots
-from .transforms import apply_with_labels
-from .transforms.at_decode import CropAtDecode, split_at_decode
 
 # (images, labels, left out, indices), and with fields the batch's fields (``BatchFields.pack``)
 Item = Tuple[Any, ...]

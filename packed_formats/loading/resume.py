@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, Mapping, Optional, Sized,
 import numpy as np
 import torch
 
-from .backends.reader import Reader
-from .checksum import array_crc32, crc32
+from ..backends.reader import Reader
+from ..checksum import array_crc32, crc32
 from .sampling import (
     DEFAULT_WINDOW,
     EpochPosition,

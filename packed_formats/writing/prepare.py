@@ -9,8 +9,8 @@ from typing import Any, Callable, Optional, Tuple
 import numpy as np
 from PIL import Image
 
-from . import codecs, policy
-from .fields import FieldSpec, move_boxes
+from .. import codecs, policy
+from ..fields import FieldSpec, move_boxes
 
 _REDUCING_GAP = 2.0  # shrink cheaply (JPEG draft, integer reduce) only down to twice the target size
 

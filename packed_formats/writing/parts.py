@@ -45,12 +45,12 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-from . import __version__
-from .backends.files import remove_path, temp_path_for
-from .backends.sharded import index_text, part_name
-from .errors import ArchiveExistsError, ArchiveInUseError, CorruptArchiveError, IncompleteArchiveError
-from .manifest import part_of_set
-from .sources import Source
+from .. import __version__
+from ..backends.files import remove_path, temp_path_for
+from ..backends.sharded import index_text, part_name
+from ..errors import ArchiveExistsError, ArchiveInUseError, CorruptArchiveError, IncompleteArchiveError
+from ..manifest import part_of_set
+from ..sources import Source
 
 PLAN_VERSION = 1
 _TEMP_MARK = ".pf-tmp-"
@@ -416,7 +416,7 @@ def join(dst: str, require_all: bool = True) -> Optional[str]:
     """Publish the index of the set at ``dst`` once every part is sealed; return its path (None when parts
     are missing and not ``require_all``).  Refusals (IncompleteArchiveError, CorruptArchiveError,
     ArchiveExistsError) leave nothing at ``dst``."""
-    from .archives import open_archive
+    from ..archives import open_archive
 
     state = inspect(dst)
     if state.missing:

@@ -18,15 +18,16 @@ import numpy as np
 import torch
 from PIL import Image
 
-from . import codecs, policy, sample_fields
-from .archives import open_archive
-from .backends import sniff_format
-from .backends.folder import IMAGE_EXTENSIONS
-from .backends.reader import Reader
-from .errors import ArchiveNotFoundError, PackedFormatError, SampleIndexError, note_fields
-from .handles import ProcessLocal
-from .index import SampleIndex, decode_key
-from .tracebacks import drops_frames
+from .. import codecs, policy
+from ..archives import open_archive
+from ..backends import sniff_format
+from ..backends.folder import IMAGE_EXTENSIONS
+from ..backends.reader import Reader
+from ..errors import ArchiveNotFoundError, PackedFormatError, SampleIndexError, note_fields
+from ..handles import ProcessLocal
+from ..index import SampleIndex, decode_key
+from ..tracebacks import drops_frames
+from . import sample_fields
 
 OUTPUTS = ("tensor", "pil", "numpy")
 _CHUNK = 1 << 16  # rows converted to Python objects at a time when a view is iterated

@@ -23,9 +23,9 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from . import codecs, policy
-from .backends.reader import Reader
-from .fields import FieldSpec, move_boxes
+from .. import codecs, policy
+from ..backends.reader import Reader
+from ..fields import FieldSpec, move_boxes
 from .sample_fields import field_value, image_output, mask_array, parse_roles, variable
 
 # Where a sample's image came from: (top, left, height, width) of the stored image, its stored

@@ -8,7 +8,7 @@ from typing import Any, Callable, Deque, Iterator, Optional, Tuple, Union
 
 import torch
 
-from .transforms import apply_with_labels
+from ..transforms import apply_with_labels
 
 Batch = Tuple[torch.Tensor, torch.Tensor]  # (images, labels)
 Generators = Callable[[int], torch.Generator]  # batch number -> the generator of its random transforms

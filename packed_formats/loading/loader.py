@@ -21,17 +21,13 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional
 
 import torch
 
-from . import slots, storage
-from .archives import open_archive
-from .backends.reader import Reader
-from .backends.sharded import given_max_open_parts
-from .dataset import PackedDataset
-from .device import CudaPrefetcher, copy_then_transform, resolve_device
-from .device_decode import DeviceDecoder, check_decoder
-from .errors import DataLoaderWorkerError, PackedFormatError
-from .field_batches import BatchFields, refuse_batch_transforms
-from .memory import SlotPool
-from .policy import (
+from .. import storage
+from ..archives import open_archive
+from ..backends.reader import Reader
+from ..backends.sharded import given_max_open_parts
+from ..errors import DataLoaderWorkerError, PackedFormatError
+from ..memory import SlotPool
+from ..policy import (
     ON_ERROR,
     RESIZE_MODES,
     VERIFY_POLICIES,
@@ -42,6 +38,14 @@ from .policy import (
     check_on_error,
     check_verify,
 )
+from ..tracebacks import release_frames
+from ..transforms import apply_transform, batchwise, with_memory_format
+from ..transforms.at_decode import split_at_decode
+from . import slots
+from .dataset import PackedDataset
+from .device import CudaPrefetcher, copy_then_transform, resolve_device
+from .device_decode import DeviceDecoder, check_decoder
+from .field_batches import BatchFields, refuse_batch_transforms
 from .resume import (
     STATE_VERSION,
     StateSpec,
@@ -65,9 +69,6 @@ from .sampling import (
     shard_indices,
 )
 from .slots import BatchSlots
-from .tracebacks import release_frames
-from .transforms import apply_transform, batchwise, with_memory_format
-from .transforms.at_decode import split_at_decode
 from .worker import BatchReader, FailedBatch
 from .worker_context import worker_context
 

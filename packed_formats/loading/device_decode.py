@@ -37,10 +37,10 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from . import codecs, native, policy
-from .backends.reader import Reader
-from .errors import PackedFormatError
-from .transforms import functional as F
+from .. import codecs, native, policy
+from ..backends.reader import Reader
+from ..errors import PackedFormatError
+from ..transforms import functional as F
 
 
 class EncodedBatch(NamedTuple):

@@ -22,8 +22,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from . import codecs
-from .fields import BOX_FORMATS, FieldSpec
+from .. import codecs
+from ..fields import BOX_FORMATS, FieldSpec
 
 ROLES = ("value", "mask", "image", "boxes")
 

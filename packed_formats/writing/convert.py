@@ -27,11 +27,11 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 import numpy as np
 from tqdm import tqdm
 
-from . import codecs, storage
-from .backends import EXTENSIONS, PACKED_FORMATS, open_writer
-from .backends.files import remove_path
-from .backends.sharded import ShardedWriter, existing_parts, part_name
-from .errors import (
+from .. import codecs, storage
+from ..backends import EXTENSIONS, PACKED_FORMATS, open_writer
+from ..backends.files import remove_path
+from ..backends.sharded import ShardedWriter, existing_parts, part_name
+from ..errors import (
     ArchiveExistsError,
     ConversionFailedError,
     CorruptSampleError,
@@ -41,15 +41,15 @@ from .errors import (
     PackedFormatError,
     RemoteNotFoundError,
 )
-from .fields import BOX_FORMATS, FieldSpec, FieldValueError
-from .handles import pid_alive
-from .manifest import MODES
+from ..fields import BOX_FORMATS, FieldSpec, FieldValueError
+from ..handles import pid_alive
+from ..manifest import MODES
+from ..policy import RESIZE_MODES
+from ..sources import Source, SourcePath, open_source
+from ..sources.base import SourceWarning
+from ..space import archive_bytes, check_free_space, disk_usage, human_bytes
 from .parallel import WorkerDiedError, available_cores, ordered_map
-from .policy import RESIZE_MODES
 from .prepare import Recipe, parse_size
-from .sources import Source, SourcePath, open_source
-from .sources.base import SourceWarning
-from .space import archive_bytes, check_free_space, disk_usage, human_bytes
 
 ON_ERROR = ("raise", "skip")
 _TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.pf-tmp-(?P<pid>\d+)-[0-9a-f]{8}(-old)?$")
@@ -638,7 +638,7 @@ def _convert_remote(src: SourcePath, dst: str, options: Dict[str, Any]) -> Conve
     import shutil
     import tempfile
 
-    from .sources.webdataset import expand_shards
+    from ..sources.webdataset import expand_shards
 
     scratch = tempfile.mkdtemp(prefix="packed_formats-convert-")
     try:
