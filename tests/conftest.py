@@ -98,6 +98,7 @@ SLOW_FOR_THE_QUICK_TIER = {
     "test_resume::test_a_process_killed_after_a_checkpoint_resumes_and_sees_every_sample_once",
     "test_resume::test_a_new_process_resumes_exactly",
     "test_spawn_mapping::test_spawned_workers_of_a_sharded_archive_read_right_samples_and_labels",
+    "test_remote_fields::test_make_loader_batches_the_fields_of_a_set_in_the_store_in_spawned_workers",
     "test_device_decode::test_workers_cut_crops_for_a_device_that_does_the_rest",
     "test_device_decode::test_device_decode_is_the_same_with_workers_and_every_start_method",
     "test_device_decode::test_a_damaged_stored_byte_is_named_by_its_checksum",

@@ -17,6 +17,7 @@ module or inside a function, counts).
 from __future__ import annotations
 
 import ast
+import functools
 import os
 from typing import Any, Dict, List, Set
 
@@ -83,6 +84,12 @@ def part(module: str) -> str:
 
 
 def part_graph() -> Dict[str, Set[str]]:
+    """{part: the parts it imports}: a fresh copy each call (a test may add to it), read from the source once."""
+    return {source: set(targets) for source, targets in _part_graph().items()}
+
+
+@functools.lru_cache(maxsize=None)
+def _part_graph() -> Dict[str, Set[str]]:
     known = modules()
     graph: Dict[str, Set[str]] = {}
     for name, path in known.items():

@@ -119,7 +119,7 @@ def test_converting_a_webdataset_into_a_set_keeps_every_field(tmp_path, how):
                               np.asarray(Image.open(io.BytesIO(shard_members(4)["seg.png"]))))
 
 
-@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+@pytest.mark.parametrize("start_method", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])  # spawn: 4 s
 def test_make_loader_batches_a_sets_fields_in_workers_as_it_does_one_archives(tmp_path, start_method):
     path, single = tmp_path / "set.hdf5", tmp_path / "one.hdf5"
     write_set(path, "hdf5", count=10, per_part=4)
