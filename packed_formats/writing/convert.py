@@ -385,12 +385,12 @@ def _check_fields_fit(shown: str, fields: Sequence[FieldSpec], size: Any, boxes:
     field of [N,4] or [4], unscaled fields that name no array field or are boxes too, or an array field a
     resize cannot take along (image fields, masks, are resized with the image; the fields of ``boxes`` are
     moved with it, those of ``unscaled`` kept as they are)."""
-    by_name = {f.name: f for f in fields}
+    by_name, box_names = {f.name: f for f in fields}, dict(boxes)
     described = ", ".join(f.describe() for f in fields) or "none"
     for name in unscaled:
         spec = by_name.get(name)
-        if spec is None or spec.kind != "array" or name in dict(boxes):
-            found = "boxes too" if name in dict(boxes) else spec.describe() if spec is not None else "no such field"
+        if spec is None or spec.kind != "array" or name in box_names:
+            found = "boxes too" if name in box_names else spec.describe() if spec is not None else "no such field"
             raise ValueError(f"{shown}: unscaled {name!r} must be an array field that is not boxes ({found}; the "
                              f"fields: {described})")
     for name, _ in boxes:
@@ -399,7 +399,7 @@ def _check_fields_fit(shown: str, fields: Sequence[FieldSpec], size: Any, boxes:
             found = spec.describe() if spec is not None else "no such field"
             raise ValueError(f"{shown}: boxes {name!r} must be an array field of [N,4] or [4] ({found}; the "
                              f"fields: {described})")
-    kept = set(dict(boxes)) | set(unscaled)
+    kept = set(box_names) | set(unscaled)
     arrays = [f.describe() for f in fields if f.kind == "array" and f.name not in kept]
     if size is not None and arrays:
         raise ValueError(f"{shown} has the array field {arrays[0]}, which a resize of the images may have to change: "
@@ -581,7 +581,7 @@ def estimated_archive_bytes(source: Source, recipe: Recipe, fmt: str, shard_size
     """The disk space a conversion of ``source`` into format ``fmt`` checks for: the samples' bytes
     (``estimated_output_bytes``) with what the format adds to them (``space.archive_bytes``)."""
     n = len(source)
-    picks = range(n) if n <= _SIZED_FILES else np.linspace(0, n - 1, _SIZED_FILES).astype(np.int64).tolist()
+    picks = _spread(n, _SIZED_FILES)
     key_bytes = max((len(source.key(i).encode("utf-8", "surrogateescape")) for i in picks), default=0)
     sample_bytes = None
     if recipe.mode == "raw":
@@ -603,7 +603,7 @@ def _field_bytes(source: Source) -> int:
     n = len(source)
     if not source.fields or not source.random_access or n == 0:
         return 0
-    picks = np.linspace(0, n - 1, min(n, _SIZED_FIELDS)).astype(np.int64).tolist()
+    picks = _spread(n, _SIZED_FIELDS)
     total = 0
     for i in picks:
         try:
@@ -614,11 +614,16 @@ def _field_bytes(source: Source) -> int:
     return total * n // len(picks)
 
 
+def _spread(n: int, most: int) -> List[int]:
+    """Up to ``most`` of the indices 0..n-1, evenly spread (all of them when there are no more)."""
+    return list(range(n)) if n <= most else np.linspace(0, n - 1, most).astype(np.int64).tolist()
+
+
 def _source_bytes(source: Source) -> int:
     n = len(source)
     if n == 0 or source.stored_size(0) is None:  # sizes unknown without reading: the files' size on disk
         return sum(disk_usage(path) for path in _source_paths(source.path))
-    picks = range(n) if n <= _SIZED_FILES else np.linspace(0, n - 1, _SIZED_FILES).astype(np.int64).tolist()
+    picks = _spread(n, _SIZED_FILES)
     total = 0
     for i in picks:
         size = source.stored_size(i) or 0  # an unreadable file is reported by the conversion itself

@@ -107,4 +107,4 @@ def _image_size(stored: "bytes | np.ndarray") -> Tuple[int, int]:
     """(width, height) of a source's stored image: an array's shape, or the file's header (nothing decoded)."""
     if isinstance(stored, np.ndarray):
         return int(stored.shape[1]), int(stored.shape[0])
-    return codecs.open_image(stored).size
+    return policy.image_size(stored)
