@@ -11,7 +11,7 @@ import dataclasses
 import io
 import mmap
 import operator
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -64,6 +64,11 @@ class SampleIndex:
             fields={name: np.asarray(arrays[name], dtype=np.uint32 if name.endswith(".crc32") else np.int64)
                     for name in fields if name in arrays},
         )
+
+    def field_crc32s(self, names: Sequence[str]) -> Optional[List[np.ndarray]]:
+        """The CRC32 array of each field of ``names``, in order; None when any is missing (no checksums)."""
+        rows = [self.fields.get(field_array(name, "crc32")) for name in names]
+        return None if any(row is None for row in rows) else cast(List[np.ndarray], rows)
 
     def field_bytes(self, name: str, i: int) -> Tuple[int, int]:
         """(start, size) of field ``name``'s value of sample i: its offset in the field's flat store, or its

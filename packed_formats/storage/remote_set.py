@@ -48,6 +48,7 @@ import numpy as np
 from ..backends.files import remove_path
 from ..backends.reader import Reader
 from ..backends.sharded import (
+    AGREEING_FIELDS,
     ShardedBackend,
     ShardedHandle,
     check_agreement,
@@ -667,7 +668,7 @@ class RemoteSetBackend(ShardedBackend):
             except CorruptArchiveError as exc:
                 return exc.problem or str(exc)
         mine, theirs = reader.manifest, self.manifest
-        for field in ("mode", "shape", "dtype", "classes", "checksum", "encoding", "fields"):
+        for field in AGREEING_FIELDS + ("encoding",):
             if field == "encoding" and theirs.encoding == "mixed":
                 continue
             if getattr(mine, field) != getattr(theirs, field):
@@ -937,8 +938,7 @@ def _index_by_fetching(url: str, part_format: str, parts: List[RemotePart], cach
             labels.append(np.asarray(reader.index.labels))
             keys.append(np.asarray(reader.index.keys))
             crcs.append(None if reader.index.crc32 is None else np.asarray(reader.index.crc32))
-            field_crcs.append([np.asarray(reader.index.fields[field_array(f.name, "crc32")])
-                               for f in reader.fields if field_array(f.name, "crc32") in reader.index.fields])
+            field_crcs.append(reader.index.field_crc32s([f.name for f in reader.fields]))
             counts.append(len(reader))
             if len(parts) > 1:  # let each go as soon as it is indexed: the cache may be smaller than the set
                 reader.close()
@@ -951,8 +951,9 @@ def _index_by_fetching(url: str, part_format: str, parts: List[RemotePart], cach
                   "counts": np.asarray(counts, dtype=np.int64)}
         if all(c is not None for c in crcs):
             arrays["crc32"] = np.concatenate(crcs).astype(np.uint32, copy=False)  # type: ignore[arg-type]
-        if manifest.fields and all(len(rows) == len(manifest.fields) for rows in field_crcs):
-            arrays["field_crc32"] = np.stack([np.concatenate([rows[k] for rows in field_crcs])
+        present = [rows for rows in field_crcs if rows is not None]
+        if manifest.fields and len(present) == len(field_crcs):  # the parts agree on their fields
+            arrays["field_crc32"] = np.stack([np.concatenate([np.asarray(rows[k]) for rows in present])
                                               for k in range(len(manifest.fields))]).astype(np.uint32, copy=False)
     finally:
         for reader in readers:

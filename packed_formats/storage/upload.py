@@ -18,7 +18,6 @@ import numpy as np
 
 from ..backends import detect_format, open_local
 from ..backends.sharded import index_text, read_shard_index
-from ..index import field_array
 from .remote import Store
 from .urls import basename, clean_url, join
 
@@ -94,8 +93,8 @@ def _samples_npz(path: str) -> "tuple[bytes, str]":
         }
         if reader.index.crc32 is not None:
             arrays["crc32"] = np.asarray(reader.index.crc32, dtype=np.uint32)
-        rows = [reader.index.fields.get(field_array(spec.name, "crc32")) for spec in reader.fields]
-        if rows and all(row is not None for row in rows):  # each field's CRC32s, a row a field
+        rows = reader.index.field_crc32s([spec.name for spec in reader.fields])
+        if reader.fields and rows is not None:  # each field's CRC32s, a row a field
             arrays["field_crc32"] = np.stack([np.asarray(row, dtype=np.uint32) for row in rows])
         manifest_text = reader.manifest.to_json()
     buffer = io.BytesIO()
