@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import packed_formats as pf
-from packed_formats.backends.sharded import index_text
 from packed_formats.errors import CorruptArchiveError, PackedFormatError, RemoteChangedError
 
 from .test_fields import assert_value
+from .test_remote_untrusted import put_index
 from .test_set_fields import FIELDS, write_set
 
 pytest.importorskip("s3fs")
@@ -62,9 +62,7 @@ def put_samples(s3, url: str, spec: dict, arrays: dict, name: str) -> str:
     folder = url.rsplit("/", 1)[0]
     spec["samples"].update(name=f"{name}-samples.npz", size=len(data), crc32=zlib.crc32(data))
     s3.put(f"{folder}/{spec['samples']['name']}", data)
-    extra = {k: v for k, v in spec.items() if k not in ("packed_formats_shards", "format", "set_id", "parts", "crc32")}
-    s3.put(f"{folder}/{name}.zip", index_text(spec["format"], [(p["name"], p["count"]) for p in spec["parts"]],
-                                              spec["set_id"], **extra).encode())
+    put_index(s3, f"{folder}/{name}.zip", spec)
     return f"{folder}/{name}.zip"
 
 
@@ -178,8 +176,7 @@ def test_parts_that_disagree_on_their_fields_are_refused_when_the_set_is_indexed
             writer.add(second.read(j), int(second.index.labels[j]), second.key(j))
     s3_env.put(url.rsplit("/", 1)[0] + "/" + spec["parts"][1]["name"], plain.read_bytes())
     del spec["samples"]  # a set copied without its sample index: indexed from its parts
-    s3_env.put(url, index_text(spec["format"], [(p["name"], p["count"]) for p in spec["parts"]],
-                               spec["set_id"]).encode())
+    put_index(s3_env, url, spec)
     with pytest.raises(PackedFormatError, match="differs from the first part, .* in fields: 'none'"):
         with pytest.warns(UserWarning, match="no sample index"):
             pf.open_archive(url, cache_dir=str(tmp_path / "cache"))

@@ -21,11 +21,13 @@ from .test_fields import FIELD_FORMATS, SHAPE, assert_value, image_of, shard_mem
 FIELDS = ["mask=image", "boxes=array:float32[N,4]", "caption=text", "meta=json"]
 
 
-def write_set(path, fmt: str, count: int = 10, per_part: int = 3, mode: str = "raw") -> list:
+def write_set(path, fmt: str, count: int = 10, per_part: "int | None" = 3, mode: str = "raw") -> list:
+    """A set of parts of ``per_part`` samples with FIELDS (None: one archive of the same samples); the values."""
     rng = np.random.default_rng(0)
     written = []
-    with ShardedWriter(path, fmt, per_part, mode=mode, shape=SHAPE if mode == "raw" else None,
-                       classes=["a", "b", "c"], fields=FIELDS) as writer:
+    options = dict(mode=mode, shape=SHAPE if mode == "raw" else None, classes=["a", "b", "c"], fields=FIELDS)
+    with (pf.open_writer(path, format=fmt, **options) if per_part is None
+          else ShardedWriter(path, fmt, per_part, **options)) as writer:
         for i in range(count):
             values = {k: v for k, v in values_of(i, rng).items() if k in ("mask", "boxes", "caption", "meta")}
             writer.add(image_of(i), i % 3, key=f"k/{i}", fields=values)
@@ -122,13 +124,8 @@ def test_converting_a_webdataset_into_a_set_keeps_every_field(tmp_path, how):
 @pytest.mark.parametrize("start_method", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])  # spawn: 4 s
 def test_make_loader_batches_a_sets_fields_in_workers_as_it_does_one_archives(tmp_path, start_method):
     path, single = tmp_path / "set.hdf5", tmp_path / "one.hdf5"
-    write_set(path, "hdf5", count=10, per_part=4)
-    rng = np.random.default_rng(0)
-    with pf.open_writer(single, format="hdf5", mode="raw", shape=SHAPE, classes=["a", "b", "c"],
-                        fields=FIELDS) as writer:
-        for i in range(10):
-            values = {k: v for k, v in values_of(i, rng).items() if k in ("mask", "boxes", "caption", "meta")}
-            writer.add(image_of(i), i % 3, key=f"k/{i}", fields=values)
+    write_set(path, "hdf5", count=10, per_part=4)  # the same samples (one seed), in parts and in one archive
+    write_set(single, "hdf5", count=10, per_part=None)
 
     def batches(archive, workers):
         loader = pf.make_loader(str(archive), batch_size=4, shuffle=False, num_workers=workers,
