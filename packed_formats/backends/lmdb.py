@@ -40,7 +40,7 @@ from ..errors import (
 from ..fields import field_arrays
 from ..index import SampleIndex, from_npy_bytes, npy_record
 from ..manifest import ArchiveManifest
-from . import index_map, lmdb_pages
+from . import index_map, lmdb_guard, lmdb_pages
 from .base import Backend, FormatSpec, Handle
 from .files import file_identity, handle_key
 from .mapped import check_file_size
@@ -184,11 +184,11 @@ def wants_readahead(manifest: Optional[ArchiveManifest]) -> bool:
 
 
 class LMDBHandle(Handle):
-    """An open read-only environment, and a descriptor of its data file to check its size with:
-    the environment maps ``needed`` bytes, and reading a page the file no longer has is SIGBUS."""
+    """An open read-only environment, its guard, and a descriptor of its data file to check its size
+    with: the environment maps ``needed`` bytes, and reading a page the file no longer has is SIGBUS."""
 
-    def __init__(self, env: "lmdb.Environment", data_file: str, needed: int) -> None:
-        self.env, self.needed = env, needed
+    def __init__(self, env: "lmdb.Environment", guard: lmdb_guard.Guard, data_file: str) -> None:
+        self.env, self.guard, self.needed = env, guard, guard.end
         self.fd = os.open(data_file, os.O_RDONLY)
 
     def check_size(self) -> None:
@@ -214,10 +214,7 @@ def _open_env(path: str, readahead: bool) -> LMDBHandle:
     if not os.path.exists(path):
         raise ArchiveNotFoundError(path, "no such file")
     try:
-        env = lmdb.open(
-            path, subdir=os.path.isdir(path), readonly=True, lock=False, readahead=readahead,
-            meminit=False, max_spare_txns=0,
-        )
+        env, guard = lmdb_guard.open_readonly(path, readahead=readahead, meminit=False, max_spare_txns=0)
     except lmdb.Error as exc:
         if "already open" in str(exc):
             raise ArchiveInUseError(
@@ -233,12 +230,7 @@ def _open_env(path: str, readahead: bool) -> LMDBHandle:
                 hint="this process may not map the file: raise its address-space limit (ulimit -v) or free memory",
             ) from None
         raise CorruptArchiveError(path, f"LMDB cannot open it ({exc})", hint="the file is damaged") from None
-    needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
-    size = os.path.getsize(_data_file(path))
-    if size < needed:
-        env.close()  # reading past the end of a mapped file would crash with SIGBUS
-        raise CorruptArchiveError(path, f"the file is truncated ({size} bytes, LMDB needs {needed})")
-    return LMDBHandle(env, _data_file(path), needed)
+    return LMDBHandle(env, guard, _data_file(path))
 
 
 class LMDBBackend(Backend[LMDBHandle]):
@@ -255,8 +247,14 @@ class LMDBBackend(Backend[LMDBHandle]):
                     raw_manifest = txn.get(MANIFEST_KEY)
                     if raw_manifest is None:
                         raise _missing_manifest(path, txn)
+                    records = _index_records(txn)
+                    named = [("the manifest", raw_manifest)] + [(f"index array {n!r}", v) for n, v in records.items()]
+                    for what, value in named:
+                        outside = handle.guard.outside(value)
+                        if outside:
+                            raise CorruptArchiveError(path, f"the record of {what} {outside}")
                     manifest = ArchiveManifest.from_json(bytes(raw_manifest), path=path)
-                    arrays = _index_arrays(handle, _index_records(txn))
+                    arrays = _index_arrays(handle, records)
             except (lmdb.Error, KeyError, ValueError) as exc:
                 raise CorruptArchiveError(path, f"cannot read the archive index: {exc}") from None
         return manifest, SampleIndex.from_arrays(arrays, field_arrays(manifest.fields))
@@ -271,25 +269,26 @@ class LMDBBackend(Backend[LMDBHandle]):
         return [self.data_file()]
 
     def read(self, handle: LMDBHandle, i: int) -> bytes:
-        handle.check_size()
-        try:
-            with handle.env.begin(buffers=False) as txn:
-                value = txn.get(sample_key(i))
-        except lmdb.Error as exc:
-            raise self.corrupt(f"LMDB read failed: {exc}", i) from None
-        if value is None:
-            raise self.corrupt("the sample's record is missing", i)
-        return value
+        return self._record(handle, sample_key(i), i, "the sample's record")
 
     def read_field(self, handle: LMDBHandle, name: str, i: int) -> bytes:
+        return self._record(handle, field_key(name, i), i, f"the record of field {name!r}")
+
+    def _record(self, handle: LMDBHandle, key: bytes, i: int, what: str) -> bytes:
         handle.check_size()
         try:
-            with handle.env.begin(buffers=False) as txn:
-                value = txn.get(field_key(name, i))
+            with handle.env.begin(buffers=True) as txn:  # a view of the map, checked before it is copied
+                return bytes(self._checked(handle, txn.get(key), i, what))
         except lmdb.Error as exc:
             raise self.corrupt(f"LMDB read failed: {exc}", i) from None
+
+    def _checked(self, handle: LMDBHandle, value: Optional[memoryview], i: int, what: str) -> memoryview:
+        """A record's value, refused by name when it is missing or lies outside the file's pages."""
         if value is None:
-            raise self.corrupt(f"the record of field {name!r} is missing", i)
+            raise self.corrupt(f"{what} is missing", i)
+        outside = handle.guard.outside(value)
+        if outside:
+            raise self.corrupt(f"{what} {outside}", i)
         return value
 
     def read_batch(self, handle: LMDBHandle, idx: np.ndarray, out: np.ndarray) -> None:
@@ -297,9 +296,7 @@ class LMDBBackend(Backend[LMDBHandle]):
         try:
             with handle.env.begin(buffers=True) as txn:  # copy out inside the transaction
                 for j, i in enumerate(idx):
-                    value = txn.get(sample_key(int(i)))
-                    if value is None:
-                        raise self.corrupt("the sample's record is missing", int(i))
+                    value = self._checked(handle, txn.get(sample_key(int(i))), int(i), "the sample's record")
                     out[j] = self.as_pixels(value, int(i))
         except lmdb.Error as exc:
             raise CorruptArchiveError(self.path, f"LMDB read failed: {exc}") from None

@@ -8,7 +8,6 @@ archive declares it) or ``--field none`` leaves them out.
 
 from __future__ import annotations
 
-import os
 import re
 from typing import Any, Dict, Optional, Tuple
 
@@ -17,7 +16,7 @@ import numpy as np
 from ..archives import open_archive
 from ..backends import sniff_format
 from ..backends.reader import Reader
-from ..errors import InvalidSourceError
+from ..errors import CorruptArchiveError, InvalidSourceError
 from .base import Data, Source, SourceOptions
 
 _OUR_FIRST_MEMBER = re.compile(r"^(samples/\d{9}\.\w+|index/\w+\.npy|manifest\.json)$")
@@ -115,19 +114,22 @@ def _ours_lmdb(path: str) -> bool:
     import lmdb
 
     from ..backends.lmdb import MANIFEST_KEY
+    from ..backends.lmdb_guard import open_readonly
 
     try:
-        env = lmdb.open(path, subdir=os.path.isdir(path), readonly=True, lock=False, max_spare_txns=0)
-    except lmdb.Error:
+        env, guard = open_readonly(path, max_spare_txns=0)
+    except (lmdb.Error, CorruptArchiveError):
         return True  # damaged: the archive reader says how
     try:
-        with env.begin() as txn:
+        with env.begin(buffers=True) as txn:
             if txn.get(MANIFEST_KEY) is not None:
                 return True
             cursor = txn.cursor()
             if not cursor.first():
                 return True
             key, value = cursor.item()
-            return len(key) == 10 and key.isdigit() and not bytes(value[:1]) == b"\x80"
+            if guard.outside(key) or guard.outside(value):
+                return True  # damaged: the archive reader says how
+            return len(key) == 10 and bytes(key).isdigit() and not bytes(value[:1]) == b"\x80"
     finally:
         env.close()

@@ -77,8 +77,10 @@ class PickledLMDBSource(Source):
         """(key, unpickled record) of every sample record, in key order."""
         import lmdb
 
+        from ..backends.lmdb_guard import open_readonly
+
         try:
-            env = lmdb.open(self.path, subdir=os.path.isdir(self.path), readonly=True, lock=False, max_spare_txns=0)
+            env, guard = open_readonly(self.path, max_spare_txns=0)
         except lmdb.Error as exc:
             raise CorruptArchiveError(self.path, f"LMDB cannot open it ({exc})", hint="the file is damaged") from None
         try:
@@ -87,6 +89,9 @@ class PickledLMDBSource(Source):
                     key = bytes(raw_key).decode("utf-8", "surrogateescape")
                     if key.startswith("__"):
                         continue
+                    outside = guard.outside(value)
+                    if outside:
+                        raise CorruptSampleError(self.path, f"the record {outside}", key=key)
                     try:
                         record = pickle.loads(value)
                     except Exception as exc:  # whatever the pickle raises, name the record

@@ -1,0 +1,180 @@
+"""Read-only LMDB environments that no damaged file can crash.
+
+LMDB trusts its pages.  A value's size (32 bits in its leaf node) and the page
+its overflow run starts on are used as written, and the ``lmdb`` binding touches
+every page of a value as soon as LMDB finds it (to fault the pages in with the
+GIL released), before Python sees its length.  One flipped bit in a size puts
+the value past the end of the file, and a page of a file's map past its end
+ends the process with SIGBUS: a DataLoader worker dies, ``verify`` dies, a
+conversion sniffing a third-party LMDB dies.
+
+LMDB does check that every page number lies below the meta page's last page,
+and every other number it reads is at most 32 bits (sizes) or 16 (offsets in a
+page, key sizes).  So nothing it touches lies further than ``REACH`` bytes past
+the file's last page.  An environment opened here maps that much more than the
+file, and the part of the map past the file's end is mapped over with zero
+pages (anonymous, read-only, reserving no memory): a read there gives zeros,
+never a signal.  A value is then checked before it is copied
+(``Guard.outside``): one of up to ``EXACT_FROM`` bytes must be no longer than the
+file's pages, and any zeros it reads past them fail its CRC32 like any other
+damage; a larger one must lie inside the file's pages, found from its address
+(3 us, nothing beside copying it), so a damaged size is refused by name and
+never copied at 4 GiB.
+
+The guard finds LMDB's map in ``/proc/self/maps``.  Where there is none (macOS,
+Windows), or where the process may not reserve the address space (``ulimit
+-v``: a warning says so), environments open as before, unguarded, and
+``outside`` checks sizes only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import sys
+import warnings
+from typing import Any, Optional, Tuple
+
+import lmdb
+import numpy as np
+
+from ..errors import CorruptArchiveError
+
+# The furthest LMDB or the binding reads past a page it may read: a value of up to 4 GiB, a node
+# up to 64 KiB into its page, a key of up to 64 KiB, with room to spare.
+REACH = (1 << 32) + (256 << 10)
+EXACT_FROM = 1 << 20  # bytes of a value from which its place in the file is checked, not only its size
+_MAPS = "/proc/self/maps"
+
+
+class Guard:
+    """What an open environment's values must lie inside: the first ``end`` bytes of its file (the
+    pages LMDB says it has), mapped at ``base`` (None where the map was not found: nothing guarded)."""
+
+    def __init__(self, base: Optional[int], end: int) -> None:
+        self.base, self.end = base, end
+
+    @property
+    def active(self) -> bool:
+        return self.base is not None
+
+    def outside(self, value: Any) -> Optional[str]:
+        """Why ``value`` (a buffer that a transaction with ``buffers=True`` gave) may not be copied, or
+        None: it must be no longer than the file's first ``end`` bytes and, from ``EXACT_FROM`` bytes
+        where the map is known, lie inside them."""
+        size = len(value)
+        if size <= EXACT_FROM or self.base is None:
+            inside = size <= self.end
+        else:
+            start = np.frombuffer(value, np.uint8).__array_interface__["data"][0] - self.base
+            inside = 0 <= start and start + size <= self.end
+        return None if inside else f"claims {size} bytes that lie outside the file's {self.end} bytes of pages"
+
+
+def open_readonly(path: str, **options: Any) -> Tuple["lmdb.Environment", Guard]:
+    """``lmdb.open(path, readonly=True, lock=False, **options)``, guarded, and its ``Guard``.  Raises
+    ``lmdb.Error`` as ``lmdb.open`` does, and CorruptArchiveError for a file shorter than its pages.
+
+    Where the process may not reserve ``REACH`` bytes of address space more (``ulimit -v``), the
+    environment opens unguarded, with an ``UnguardedLMDBWarning`` (once a process)."""
+    data_file = os.path.join(path, "data.mdb") if os.path.isdir(path) else path
+    size = os.path.getsize(data_file)
+    subdir = os.path.isdir(path)
+    try:
+        env = lmdb.open(path, subdir=subdir, readonly=True, lock=False, map_size=_round_up(size + REACH), **options)
+    except lmdb.Error as exc:
+        if not (isinstance(exc, lmdb.MemoryError) or "Cannot allocate memory" in str(exc)):
+            raise
+        env = lmdb.open(path, subdir=subdir, readonly=True, lock=False, **options)  # the file's map may fit
+        _warn_unguarded(path)
+        guarded = False
+    else:
+        guarded = True
+    try:
+        needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+        if size < needed:  # LMDB would read past the end of the file, and further than the guard reaches
+            raise CorruptArchiveError(path, f"the file is truncated ({size} bytes, LMDB needs {needed})")
+        base = _cover_past_the_end(data_file, env.info()["map_size"], size) if guarded else None
+    except BaseException:
+        env.close()
+        raise
+    return env, Guard(base, needed)
+
+
+class UnguardedLMDBWarning(RuntimeWarning):
+    """An LMDB file is read without the guard: a damaged one can end the process with SIGBUS."""
+
+
+_warned = False
+
+
+def _warn_unguarded(path: str) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(UnguardedLMDBWarning(
+            f"{path}: this process may not reserve the address space that guards LMDB reads "
+            f"({REACH >> 20} MiB past each file), so a damaged LMDB file can end it with SIGBUS: "
+            "raise its address-space limit (ulimit -v) to read LMDB archives guarded"), stacklevel=3)
+
+
+def _cover_past_the_end(data_file: str, map_size: int, size: int) -> Optional[int]:
+    """Map zero pages over the environment's map past the file's end; the map's address, or None
+    where the map cannot be found (no ``/proc/self/maps``, or no single map of the file that size)."""
+    if _libc is None:  # pragma: no cover - every Linux libc has mmap
+        return None
+    base = _find_map(os.stat(data_file).st_ino, _round_up(map_size))
+    if base is None:
+        return None
+    start, end = _round_up(size), _round_up(map_size)
+    if end > start:
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED | getattr(mmap, "MAP_NORESERVE", 0)
+        address = _libc.mmap(base + start, end - start, mmap.PROT_READ, flags, -1, 0)
+        if address != base + start:
+            code = ctypes.get_errno()
+            raise OSError(code, f"cannot guard the map of {data_file}: {os.strerror(code)}")
+    return base
+
+
+def _find_map(inode: int, length: int) -> Optional[int]:
+    """The address of the one map of the file with ``inode`` from its start, ``length`` bytes long."""
+    try:
+        with open(_MAPS, "rb") as maps:
+            listing = maps.read()
+    except OSError:
+        return None
+    found = []
+    wanted = b" %d " % inode
+    at = listing.find(wanted)
+    while at >= 0:
+        line_start = listing.rfind(b"\n", 0, at) + 1
+        fields = listing[line_start : listing.find(b"\n", at)].split()
+        # start-end perms offset dev inode [path]
+        if len(fields) >= 5 and fields[4] == str(inode).encode() and int(fields[2], 16) == 0:
+            start, end = (int(x, 16) for x in fields[0].split(b"-"))
+            if end - start == length:
+                found.append(start)
+        at = listing.find(wanted, at + 1)
+    return found[0] if len(found) == 1 else None
+
+
+def _round_up(n: int) -> int:
+    return -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+def _load_libc() -> Optional[ctypes.CDLL]:
+    if not sys.platform.startswith("linux"):
+        return None  # no /proc/self/maps to find the map in (and MAP_FIXED may have another value)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_int64]
+    except (OSError, AttributeError):  # pragma: no cover - no C library to load
+        return None
+    return libc
+
+
+_libc = _load_libc()
+_MAP_FIXED = 0x10  # Linux's, on every architecture (Python's mmap module does not name it)
