@@ -171,3 +171,15 @@ def test_without_the_address_space_for_the_guard_an_archive_reads_unguarded_with
     read, warned = done.stdout.splitlines()
     assert read == "READ 24 0 False"
     assert "ulimit -v" in warned and path in warned
+
+
+def test_a_map_the_listing_does_not_show_is_read_unguarded_with_a_warning(uniform_archives, tmp_path, monkeypatch):
+    copy = fuzz.copy_archive(uniform_archives["lmdb", "raw"], str(tmp_path / "d.lmdb"))
+    monkeypatch.setattr(lmdb_guard, "_MAPS", str(tmp_path / "no-such-listing"))
+    monkeypatch.setattr(lmdb_guard, "_warned", False)
+    with pytest.warns(lmdb_guard.UnguardedLMDBWarning, match="not in /proc/self/maps.*SIGBUS"):
+        env, guard = lmdb_guard.open_readonly(copy)
+    with env:
+        assert not guard.active and guard.end == os.path.getsize(copy)
+        with env.begin(buffers=True) as txn:
+            assert guard.outside(txn.get(sample_key(0))) is None

@@ -76,8 +76,8 @@ def open_readonly(path: str, **options: Any) -> Tuple["lmdb.Environment", Guard]
     """``lmdb.open(path, readonly=True, lock=False, **options)``, guarded, and its ``Guard``.  Raises
     ``lmdb.Error`` as ``lmdb.open`` does, and CorruptArchiveError for a file shorter than its pages.
 
-    Where the process may not reserve ``REACH`` bytes of address space more (``ulimit -v``), the
-    environment opens unguarded, with an ``UnguardedLMDBWarning`` (once a process)."""
+    Where the process may not reserve ``REACH`` bytes of address space more (``ulimit -v``), or the
+    map is not found, the environment opens unguarded, with an ``UnguardedLMDBWarning`` (once a process)."""
     data_file = os.path.join(path, "data.mdb") if os.path.isdir(path) else path
     size = os.path.getsize(data_file)
     subdir = os.path.isdir(path)
@@ -87,7 +87,8 @@ def open_readonly(path: str, **options: Any) -> Tuple["lmdb.Environment", Guard]
         if not (isinstance(exc, lmdb.MemoryError) or "Cannot allocate memory" in str(exc)):
             raise
         env = lmdb.open(path, subdir=subdir, readonly=True, lock=False, **options)  # the file's map may fit
-        _warn_unguarded(path)
+        _warn_unguarded(path, f"this process may not reserve the {REACH >> 20} MiB past the file that guard it",
+                        ": raise its address-space limit (ulimit -v)")
         guarded = False
     else:
         guarded = True
@@ -96,6 +97,8 @@ def open_readonly(path: str, **options: Any) -> Tuple["lmdb.Environment", Guard]
         if size < needed:  # LMDB would read past the end of the file, and further than the guard reaches
             raise CorruptArchiveError(path, f"the file is truncated ({size} bytes, LMDB needs {needed})")
         base = _cover_past_the_end(data_file, env.info()["map_size"], size) if guarded else None
+        if guarded and base is None and _libc is not None:
+            _warn_unguarded(path, "LMDB's map of it is not in /proc/self/maps")
     except BaseException:
         env.close()
         raise
@@ -109,14 +112,13 @@ class UnguardedLMDBWarning(RuntimeWarning):
 _warned = False
 
 
-def _warn_unguarded(path: str) -> None:
+def _warn_unguarded(path: str, why: str, hint: str = "") -> None:
     global _warned
     if not _warned:
         _warned = True
         warnings.warn(UnguardedLMDBWarning(
-            f"{path}: this process may not reserve the address space that guards LMDB reads "
-            f"({REACH >> 20} MiB past each file), so a damaged LMDB file can end it with SIGBUS: "
-            "raise its address-space limit (ulimit -v) to read LMDB archives guarded"), stacklevel=3)
+            f"{path}: read unguarded ({why}): a damaged LMDB file can end this process with SIGBUS{hint}"
+        ), stacklevel=4)
 
 
 def _cover_past_the_end(data_file: str, map_size: int, size: int) -> Optional[int]:
@@ -124,7 +126,7 @@ def _cover_past_the_end(data_file: str, map_size: int, size: int) -> Optional[in
     where the map cannot be found (no ``/proc/self/maps``, or no single map of the file that size)."""
     if _libc is None:  # pragma: no cover - every Linux libc has mmap
         return None
-    base = _find_map(os.stat(data_file).st_ino, _round_up(map_size))
+    base = _find_map(data_file, _round_up(map_size))
     if base is None:
         return None
     start, end = _round_up(size), _round_up(map_size)
@@ -137,25 +139,22 @@ def _cover_past_the_end(data_file: str, map_size: int, size: int) -> Optional[in
     return base
 
 
-def _find_map(inode: int, length: int) -> Optional[int]:
-    """The address of the one map of the file with ``inode`` from its start, ``length`` bytes long."""
+def _find_map(data_file: str, length: int) -> Optional[int]:
+    """The address of the one map of ``data_file`` from its start, ``length`` bytes long, found by its
+    inode or, where a file system shows another one in the listing (overlayfs), by its path."""
     try:
         with open(_MAPS, "rb") as maps:
             listing = maps.read()
     except OSError:
         return None
+    inode, path = str(os.stat(data_file).st_ino).encode(), os.fsencode(os.path.realpath(data_file))
     found = []
-    wanted = b" %d " % inode
-    at = listing.find(wanted)
-    while at >= 0:
-        line_start = listing.rfind(b"\n", 0, at) + 1
-        fields = listing[line_start : listing.find(b"\n", at)].split()
-        # start-end perms offset dev inode [path]
-        if len(fields) >= 5 and fields[4] == str(inode).encode() and int(fields[2], 16) == 0:
+    for line in listing.splitlines():
+        fields = line.split(None, 5)  # start-end perms offset dev inode path
+        if len(fields) == 6 and (fields[4] == inode or fields[5] == path) and int(fields[2], 16) == 0:
             start, end = (int(x, 16) for x in fields[0].split(b"-"))
             if end - start == length:
                 found.append(start)
-        at = listing.find(wanted, at + 1)
     return found[0] if len(found) == 1 else None
 
 
