@@ -97,8 +97,6 @@ def open_readonly(path: str, **options: Any) -> Tuple["lmdb.Environment", Guard]
         if size < needed:  # LMDB would read past the end of the file, and further than the guard reaches
             raise CorruptArchiveError(path, f"the file is truncated ({size} bytes, LMDB needs {needed})")
         base = _cover_past_the_end(data_file, env.info()["map_size"], size) if guarded else None
-        if guarded and base is None and _libc is not None:
-            _warn_unguarded(path, "LMDB's map of it is not in /proc/self/maps")
     except BaseException:
         env.close()
         raise
@@ -123,19 +121,20 @@ def _warn_unguarded(path: str, why: str, hint: str = "") -> None:
 
 def _cover_past_the_end(data_file: str, map_size: int, size: int) -> Optional[int]:
     """Map zero pages over the environment's map past the file's end; the map's address, or None
-    where the map cannot be found (no ``/proc/self/maps``, or no single map of the file that size)."""
-    if _libc is None:  # pragma: no cover - every Linux libc has mmap
+    (with a warning on Linux) where the map is not found or cannot be covered."""
+    if _libc is None:  # not Linux: no listing to find the map in
         return None
     base = _find_map(data_file, _round_up(map_size))
     if base is None:
+        _warn_unguarded(data_file, "LMDB's map of it is not in /proc/self/maps")
         return None
     start, end = _round_up(size), _round_up(map_size)
     if end > start:
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED | getattr(mmap, "MAP_NORESERVE", 0)
-        address = _libc.mmap(base + start, end - start, mmap.PROT_READ, flags, -1, 0)
-        if address != base + start:
-            code = ctypes.get_errno()
-            raise OSError(code, f"cannot guard the map of {data_file}: {os.strerror(code)}")
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED
+        if _libc.mmap(base + start, end - start, mmap.PROT_READ, flags, -1, 0) != base + start:
+            # A failed mmap leaves the range as it was (ENOMEM: vm.max_map_count reached, say).
+            _warn_unguarded(data_file, f"cannot cover its map: {os.strerror(ctypes.get_errno())}")
+            return None
     return base
 
 
