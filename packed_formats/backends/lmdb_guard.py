@@ -140,20 +140,20 @@ def _cover_past_the_end(data_file: str, map_size: int, size: int) -> Optional[in
 
 def _find_map(data_file: str, length: int) -> Optional[int]:
     """The address of the one map of ``data_file`` from its start, ``length`` bytes long, found by its
-    inode or, where a file system shows another one in the listing (overlayfs), by its path."""
-    try:
-        with open(_MAPS, "rb") as maps:
-            listing = maps.read()
-    except OSError:
-        return None
+    inode or, where a file system shows another one in the listing (overlayfs), by its path.  The
+    listing is read a line at a time: a process with torch has a thousand maps."""
     inode, path = str(os.stat(data_file).st_ino).encode(), os.fsencode(os.path.realpath(data_file))
     found = []
-    for line in listing.splitlines():
-        fields = line.split(None, 5)  # start-end perms offset dev inode path
-        if len(fields) == 6 and (fields[4] == inode or fields[5] == path) and int(fields[2], 16) == 0:
-            start, end = (int(x, 16) for x in fields[0].split(b"-"))
-            if end - start == length:
-                found.append(start)
+    try:
+        with open(_MAPS, "rb") as maps:
+            for line in maps:
+                fields = line.split(None, 5)  # start-end perms offset dev inode path
+                if len(fields) == 6 and (fields[4] == inode or fields[5].rstrip(b"\n") == path):
+                    start, end = (int(x, 16) for x in fields[0].split(b"-"))
+                    if end - start == length and int(fields[2], 16) == 0:
+                        found.append(start)
+    except OSError:
+        return None
     return found[0] if len(found) == 1 else None
 
 
