@@ -154,7 +154,8 @@ class FileMap(ctypes.Array):
         return sized.from_address(address)
 
 
-def _load_libc() -> Optional[ctypes.CDLL]:
+def load_libc() -> Optional[ctypes.CDLL]:
+    """The C library with ``mmap`` and ``munmap`` typed for 64-bit addresses and offsets (None without one)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.mmap.restype = ctypes.c_void_p
@@ -166,5 +167,5 @@ def _load_libc() -> Optional[ctypes.CDLL]:
     return libc
 
 
-_libc = _load_libc() if sys.version_info < (3, 13) else None
+_libc = load_libc() if sys.version_info < (3, 13) else None
 _MAP_FAILED = ctypes.c_void_p(-1).value

@@ -185,14 +185,14 @@ def wants_readahead(manifest: Optional[ArchiveManifest]) -> bool:
 
 class LMDBHandle(Handle):
     """An open read-only environment, its guard, and a descriptor of its data file to check its size
-    with: the environment maps ``needed`` bytes, and reading a page the file no longer has is SIGBUS."""
+    with: LMDB reads the file's first ``guard.end`` bytes, and a page the file no longer has is SIGBUS."""
 
     def __init__(self, env: "lmdb.Environment", guard: lmdb_guard.Guard, data_file: str) -> None:
-        self.env, self.guard, self.needed = env, guard, guard.end
+        self.env, self.guard = env, guard
         self.fd = os.open(data_file, os.O_RDONLY)
 
     def check_size(self) -> None:
-        check_file_size(self.fd, self.needed)
+        check_file_size(self.fd, self.guard.end)
 
     def fileno(self) -> int:
         """The data file's descriptor: ``Reader`` checks the file through it before each read or batch."""

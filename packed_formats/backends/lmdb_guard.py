@@ -40,6 +40,7 @@ import lmdb
 import numpy as np
 
 from ..errors import CorruptArchiveError
+from . import index_map
 
 # The furthest LMDB or the binding reads past a page it may read: a value of up to 4 GiB, a node
 # up to 64 KiB into its page, a key of up to 64 KiB, with room to spare.
@@ -78,9 +79,9 @@ def open_readonly(path: str, **options: Any) -> Tuple["lmdb.Environment", Guard]
 
     Where the process may not reserve ``REACH`` bytes of address space more (``ulimit -v``), or the
     map is not found, the environment opens unguarded, with an ``UnguardedLMDBWarning`` (once a process)."""
-    data_file = os.path.join(path, "data.mdb") if os.path.isdir(path) else path
-    size = os.path.getsize(data_file)
     subdir = os.path.isdir(path)
+    data_file = os.path.join(path, "data.mdb") if subdir else path
+    size = os.path.getsize(data_file)
     try:
         env = lmdb.open(path, subdir=subdir, readonly=True, lock=False, map_size=_round_up(size + REACH), **options)
     except lmdb.Error as exc:
@@ -93,10 +94,11 @@ def open_readonly(path: str, **options: Any) -> Tuple["lmdb.Environment", Guard]
     else:
         guarded = True
     try:
-        needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+        info = env.info()
+        needed = (info["last_pgno"] + 1) * env.stat()["psize"]
         if size < needed:  # LMDB would read past the end of the file, and further than the guard reaches
             raise CorruptArchiveError(path, f"the file is truncated ({size} bytes, LMDB needs {needed})")
-        base = _cover_past_the_end(data_file, env.info()["map_size"], size) if guarded else None
+        base = _cover_past_the_end(data_file, info["map_size"], size) if guarded else None
     except BaseException:
         env.close()
         raise
@@ -161,18 +163,6 @@ def _round_up(n: int) -> int:
     return -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
-def _load_libc() -> Optional[ctypes.CDLL]:
-    if not sys.platform.startswith("linux"):
-        return None  # no /proc/self/maps to find the map in (and MAP_FIXED may have another value)
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_int64]
-    except (OSError, AttributeError):  # pragma: no cover - no C library to load
-        return None
-    return libc
-
-
-_libc = _load_libc()
+# Only on Linux: /proc/self/maps to find the map in, and MAP_FIXED's value below.
+_libc = index_map.load_libc() if sys.platform.startswith("linux") else None
 _MAP_FIXED = 0x10  # Linux's, on every architecture (Python's mmap module does not name it)
