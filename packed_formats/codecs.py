@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import struct
+import zlib
 from typing import Any, Callable, Optional, Tuple
 
 import numpy as np
@@ -96,10 +98,67 @@ def _load_strictly(image: ImageFile.ImageFile, stream: _EncodedBytes) -> None:
         raise OSError(f"image file is truncated: its {len(stream.getbuffer())} bytes end before the image data")
 
 
+_PNG_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}  # colour type -> samples per pixel
+_ADAM7 = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2), (0, 1, 1, 2))
+
+
+def png_problem(data: bytes) -> Optional[str]:
+    """What a PNG's image data lacks, or None when it holds every row its header declares.
+
+    Pillow ends a PNG's decode where its compressed data (IDAT) ends, and serves the rows it
+    never got as zeros, with or without ``LOAD_TRUNCATED_IMAGES``.  This inflates the image
+    data once more, counting bytes (never holding them), against what the header's size, bit
+    depth, colour type and interlacing need.  Bytes that are no PNG, or a PNG whose chunks do
+    not parse, are left to the decoder (None)."""
+    view = memoryview(data)
+    if bytes(view[:8]) != b"\x89PNG\r\n\x1a\n" or len(view) < 33 or bytes(view[12:16]) != b"IHDR":
+        return None
+    width, height, depth, colour, _, _, interlace = struct.unpack(">IIBBBBB", view[16:29])
+    if colour not in _PNG_CHANNELS or depth not in (1, 2, 4, 8, 16) or not 0 < width * height:
+        return None
+    bits = depth * _PNG_CHANNELS[colour]
+
+    def rows(w: int, h: int) -> Tuple[int, int]:  # (rows, bytes of each with its filter byte) of a w x h image
+        return (h, 1 + (w * bits + 7) // 8) if w and h else (0, 0)
+
+    passes = [rows(width, height)] if interlace == 0 else [
+        rows((width - x + dx - 1) // dx, (height - y + dy - 1) // dy) for x, y, dx, dy in _ADAM7]
+    needed = sum(n * size for n, size in passes)
+    got, inflate, position = 0, zlib.decompressobj(), 8
+    while position + 8 <= len(view) and got < needed and not inflate.eof:
+        length, kind = struct.unpack(">I4s", view[position : position + 8])
+        if kind == b"IDAT":
+            pending = bytes(view[position + 8 : position + 8 + length])
+            try:
+                while pending and got < needed and not inflate.eof:
+                    got += len(inflate.decompress(pending, 1 << 20))
+                    pending = inflate.unconsumed_tail
+            except zlib.error:
+                return None  # damaged compressed data: the decoder says so itself
+        elif kind == b"IEND":
+            break
+        position += 12 + length
+    if got >= needed:
+        return None
+    if interlace == 0:
+        return f"its image data ends after {got // passes[0][1]} of {height} rows"
+    return f"its interlaced image data ends after {got} of {needed} bytes"
+
+
 def decode(data: bytes, channels: int = 3) -> np.ndarray:
     """Encoded bytes -> HxWxC uint8 array (converted to RGB, or L for 1 channel)."""
     image = open_image(data)
     return pil_to_array(image, channels)
+
+
+def image_header(data: bytes) -> Tuple[Tuple[int, int], str]:
+    """Encoded bytes' stored (width, height) and Pillow mode, from the header alone (no pixel decoded,
+    however large it says the image is); DecodeError when they are no readable image."""
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return image.size, image.mode
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+        raise DecodeError(_describe(exc, data)) from None
 
 
 _HIGH_BIT_DEPTH = ("I;16", "I;16L", "I;16B", "I;16N", "I")

@@ -12,7 +12,10 @@ The guarantees are the Pillow path's: RGB pixels equal to Pillow's decode of
 the same JPEG, greyscale by Pillow's own ITU-R 601-2 weights, CMYK and YCCK
 JPEGs left to Pillow's conversion, and a JPEG the native decoder refuses
 (truncated, damaged: it runs strict) goes back to Pillow, whose strict
-decode either reads it or raises ``DecodeError``.  Without ``simplejpeg``
+decode either reads it or raises ``DecodeError`` -- unless libjpeg's own
+warning says pixel data is missing (``lacks_pixel_data``: a file cut short
+with its end marker put back, which Pillow would fill with grey), which is a
+``DecodeError`` at once.  Without ``simplejpeg``
 (a platform without its wheels) everything decodes through Pillow.
 """
 
@@ -54,18 +57,35 @@ def decode_jpeg(
         return None
 
 
-def jpeg_decodes(data: bytes) -> bool:
-    """Whether the native decoder reads the whole JPEG strictly, at the cheapest setting that still
-    decodes every entropy-coded block (1/8 scale, grey: no inverse DCT to speak of, no colour
-    conversion): about three times faster than a full decode, and truncation fails it the same way.
-    False also where there is no native decoder or it leaves the file to Pillow."""
+# libjpeg's warnings for pixel data that is missing (ends early, or is skipped to the next marker): it fills
+# what it lacks with grey and carries on, and Pillow never says so.  Other warnings (extraneous bytes before
+# a marker, a bad ICC profile) leave every pixel decoded.
+_MISSING_DATA = ("premature end", "bad huffman code", "bad arithmetic code", "instead of rst")
+
+
+def jpeg_refusal(data: bytes) -> Optional[str]:
+    """Why the native decoder, reading strictly at the cheapest setting that still decodes every
+    entropy-coded block (1/8 scale, grey: no inverse DCT to speak of, no colour conversion), refuses a
+    JPEG, in libjpeg's words; None when it reads it whole, about three times faster than a full decode."""
     if simplejpeg is None:
-        return False
+        return "no native JPEG decoder"
     try:
         simplejpeg.decode_jpeg(data, colorspace="GRAY", min_width=1, min_height=1, strict=True)
-    except (ValueError, RuntimeError, OSError):
-        return False
-    return True
+    except (ValueError, RuntimeError, OSError) as exc:
+        return str(exc) or type(exc).__name__
+    return None
+
+
+def lacks_pixel_data(refusal: Optional[str]) -> bool:
+    """Whether a ``jpeg_refusal`` says pixel data is missing ("Corrupt JPEG data: premature end of data
+    segment", "Premature end of JPEG file", a bad Huffman code...): what Pillow would fill with grey."""
+    return refusal is not None and any(words in refusal.lower() for words in _MISSING_DATA)
+
+
+def jpeg_decodes(data: bytes) -> bool:
+    """Whether the native decoder reads the whole JPEG strictly (``jpeg_refusal`` is None).
+    False also where there is no native decoder or it leaves the file to Pillow."""
+    return jpeg_refusal(data) is None
 
 
 def to_grey(rgb: np.ndarray) -> np.ndarray:

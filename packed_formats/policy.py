@@ -95,10 +95,45 @@ def decode(
 def check_decodes(data: bytes) -> None:
     """codecs.DecodeError unless ``data`` decodes completely (what a converter keeping the file's
     own bytes proves of each one): natively and cheaply for JPEG, by Pillow otherwise or when
-    the native check fails (Pillow then decodes it, e.g. a CMYK JPEG, or says why not)."""
-    if codecs.sniff(data) == "jpeg" and native.jpeg_decodes(data):
-        return
+    the native check fails for another reason than missing pixel data (Pillow then decodes it,
+    e.g. a CMYK JPEG, or says why not).  Strict: pixel data that ends early or is skipped, which
+    Pillow fills with grey or zeros whatever ``LOAD_TRUNCATED_IMAGES`` says, is an error
+    (``check_complete``)."""
+    if codecs.sniff(data) == "jpeg":
+        refusal = native.jpeg_refusal(data)
+        if refusal is None:
+            return
+        _refuse_missing(refusal if native.lacks_pixel_data(refusal) else None, "grey")
+    else:
+        _refuse_missing(codecs.png_problem(data), "0")
     codecs.open_image(data)
+
+
+def check_complete(data: bytes) -> None:
+    """codecs.DecodeError when encoded image bytes lack pixel data their header promises: a JPEG
+    whose data ends early or is skipped (libjpeg's warnings, from a cheap strict native decode), a
+    PNG whose image data holds fewer rows than it declares (``codecs.png_problem``).  What a
+    converter checks before it decodes and resizes a file, where the decode itself would fill the
+    gap; no proof that the rest decodes (the decode that follows is)."""
+    kind = codecs.sniff(data)
+    if kind == "jpeg":
+        _refuse_missing_jpeg(data)
+    elif kind == "png":
+        _refuse_missing(codecs.png_problem(data), "0")
+
+
+def _refuse_missing_jpeg(data: bytes) -> None:
+    """codecs.DecodeError when a JPEG's pixel data is missing (``native.lacks_pixel_data``), which Pillow
+    would fill with grey.  Readers ask only of a JPEG the native decoder would not read, before Pillow
+    gets it: a good file never pays for the check."""
+    refusal = native.jpeg_refusal(data)
+    _refuse_missing(refusal if native.lacks_pixel_data(refusal) else None, "grey")
+
+
+def _refuse_missing(problem: Optional[str], fill: str) -> None:
+    if problem is not None:
+        raise codecs.DecodeError(f"cannot decode image: truncated or damaged, its pixel data is missing ({problem}): "
+                                 f"a decoder would fill the rest with {fill}")
 
 
 def _decode_natively(
@@ -111,6 +146,7 @@ def _decode_natively(
         return None
     rgb = native.decode_jpeg(data, None if size is None else _dct_size_for(size, resize_mode))
     if rgb is None:
+        _refuse_missing_jpeg(data)
         return None
     pixels = native.to_grey(rgb) if channels == 1 else rgb
     return pixels if size is None else _resized(pixels, size, resize_mode)
@@ -145,8 +181,38 @@ def resize(
     if image.size == (width, height) and box == (0, 0, width, height):
         return image
     if resample == Image.Resampling.NEAREST:
-        return image.resize((width, height), resample, box=box)
+        return _nearest(image, (height, width), box)
     return image.resize((width, height), resample, box=box, reducing_gap=reducing_gap)
+
+
+def nearest_indices(start: float, length: float, out: int) -> np.ndarray:
+    """The source pixels (along one side) that ``out`` output pixels take from the ``length`` pixels from
+    ``start`` by torchvision's nearest-neighbour rule, torch's ``interpolate(mode="nearest")``: output pixel d
+    takes ``floor(d * length / out)``, worked out in float32 as torch does, kept inside the span (PIL's
+    NEAREST takes the pixel under d's centre instead, another one on a share of a mask's edges)."""
+    scale = np.float32(length) / np.float32(out)
+    steps = np.floor(np.arange(out, dtype=np.float32) * scale).astype(np.int64)
+    first = math.floor(start)
+    if start != first:  # a box of fractional corners (a centre crop at conversion)
+        steps = np.floor(start + np.arange(out, dtype=np.float64) * float(scale)).astype(np.int64) - first
+    return first + np.clip(steps, 0, max(0, math.ceil(start + length) - 1 - first))
+
+
+def _nearest(image: Image.Image, size: Tuple[int, int], box: Tuple[float, float, float, float]) -> Image.Image:
+    """``image``'s ``box`` (left, top, right, bottom) at ``size`` (height, width) by ``nearest_indices``, in
+    its own mode (a palette mask keeps its indices and palette)."""
+    left, top, right, bottom = box
+    pixels = np.asarray(image)
+    rows = nearest_indices(top, bottom - top, size[0])
+    cols = nearest_indices(left, right - left, size[1])
+    taken = np.ascontiguousarray(np.take(np.take(pixels, rows, axis=0), cols, axis=1))
+    out = Image.fromarray(taken, image.mode if image.mode in ("P", "L", "1") else None)
+    if image.mode == "P":
+        out.putpalette(image.getpalette() or [])
+    if out.mode != image.mode:
+        out = image.resize((size[1], size[0]), Image.Resampling.NEAREST, box=box)  # a mode numpy does not keep
+    out.info.update({k: v for k, v in image.info.items() if k == "transparency"})
+    return out
 
 
 def kept_box(source: Tuple[int, int], size: Tuple[int, int], resize_mode: str
@@ -226,6 +292,8 @@ def decode_crop(
     stored = image_size(data) if stored is None else stored
     pixels = native.decode_jpeg(data, least) if codecs.sniff(data) == "jpeg" else None
     if pixels is None:
+        if codecs.sniff(data) == "jpeg":
+            _refuse_missing_jpeg(data)
         image = codecs.to_8bit(codecs.open_image(data, draft=lambda s: ("RGB", least(s))))
         pixels = codecs.pil_to_array(image if image.mode == "RGB" else image.convert("RGB"), 3)
     scale_y, scale_x = pixels.shape[0] / stored[1], pixels.shape[1] / stored[0]

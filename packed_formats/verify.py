@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
+import numpy as np
 from tqdm import tqdm
 
-from . import codecs
+from . import codecs, policy
 from .archives import open_archive
-from .errors import CorruptSampleError
+from .errors import CorruptSampleError, printable
 
 STRUCTURE_CHUNK = 4096  # samples whose records in the format's structure are checked at once
 
@@ -31,7 +32,7 @@ class VerifyReport:
         path, format, mode, count: the archive checked, its format, mode and number of samples.
         checked: how many samples were checked.
         checksums: False when the archive has none (a plain image folder).
-        decoded: whether encoded samples were decoded too.
+        decoded: whether encoded samples (and image fields) were decoded too.
         bad: the first ``max_report`` bad samples, in index order (``BadSample``: index, key, problem).
         bad_count: how many samples were bad in all.
     """
@@ -51,7 +52,8 @@ class VerifyReport:
         return self.bad_count == 0
 
     def lines(self) -> List[str]:
-        """Human-readable report: one line per reported bad sample, then a verdict."""
+        """Human-readable report: one line per reported bad sample, then a verdict (a character that does not
+        print, as in a part's name, escaped as a key is)."""
         out = [f"{self.path} [sample index {b.index}, key {b.key!r}]: {b.problem}" for b in self.bad]
         if self.bad_count > len(self.bad):
             out.append(f"... and {self.bad_count - len(self.bad)} more bad samples")
@@ -60,14 +62,16 @@ class VerifyReport:
             what += " and decoding"
         verdict = "OK" if self.ok else f"FAILED: {self.bad_count} bad sample{'' if self.bad_count == 1 else 's'}"
         out.append(f"{self.path}: {self.checked} samples, {what} checked: {verdict}")
-        return out
+        return [printable(line) for line in out]
 
 
 def verify_archive(
     path: "str | os.PathLike[str]", decode: bool = False, max_report: int = 10, progress: bool = False
 ) -> VerifyReport:
-    """Read every sample of the archive at ``path``, checking its CRC32 (and, with ``decode``, that it decodes),
-    and each of its fields: against its CRC32, and that its bytes are a value of the field's kind.
+    """Read every sample of the archive at ``path``, checking its CRC32 (and, with ``decode``, that it decodes
+    strictly: pixel data that ends early is bad), and each of its fields: against its CRC32, and that its bytes
+    are a value of the field's kind (with ``decode``, an image field decodes strictly too, is its image's size
+    and is the kind of image, one channel or colour, that the field's first is).
 
     The records the format keeps of each sample besides its bytes, which our
     reads never use but other tools do, are checked too: a ZIP member's local
@@ -83,12 +87,13 @@ def verify_archive(
     bad: List[BadSample] = []
     bad_count = 0
     with open_archive(path, verify=True) as reader:
-        decode_encoded = decode and reader.mode == "encoded"
+        decode_encoded = decode and (reader.mode == "encoded" or any(s.kind == "image" for s in reader.fields))
+        kinds: Dict[str, str] = {}  # each image field's kind of image (one channel or colour), as its first sample's
         structure: Dict[int, str] = {}
         for i in tqdm(range(len(reader)), desc="verifying", unit="img", disable=not progress):
             if i % STRUCTURE_CHUNK == 0:
                 structure = reader.structure_problems(i, i + STRUCTURE_CHUNK)
-            problem, records = _check_sample(reader, i, decode_encoded), structure.get(i)
+            problem, records = _check_sample(reader, i, decode_encoded, kinds), structure.get(i)
             if records is not None:
                 problem = records if problem is None else f"{problem}; {records}"
             if problem is not None:
@@ -108,13 +113,20 @@ def verify_archive(
         )
 
 
-def _check_sample(reader, i: int, decode: bool) -> Optional[str]:
-    """What is wrong with sample i (its image, then each field), or None."""
+def _check_sample(reader, i: int, decode: bool, kinds: Dict[str, str]) -> Optional[str]:
+    """What is wrong with sample i (its image, then each field), or None.  With ``decode``, encoded images
+    (the sample's and its image fields') decode strictly (``policy.check_decodes``), and an image field
+    (a mask, a second view) is its image's size, told from its header first, and of one kind of image (one
+    channel or colour) in every sample, as in the first (``kinds`` holds each field's)."""
     problems = []
+    size: Optional[Tuple[int, int]] = None  # the sample image's (width, height)
     try:
         stored = reader.read(i)  # checks the CRC32
-        if decode:
-            codecs.open_image(stored)
+        if decode and isinstance(stored, np.ndarray):
+            size = (int(stored.shape[1]), int(stored.shape[0]))
+        elif decode:
+            policy.check_decodes(stored)
+            size = codecs.image_header(stored)[0]
     except CorruptSampleError as exc:
         problems.append(exc.problem)
     except codecs.DecodeError as exc:
@@ -123,10 +135,31 @@ def _check_sample(reader, i: int, decode: bool) -> Optional[str]:
         try:
             value = reader.read_field(i, spec.name)
             if decode and spec.kind == "image":
-                codecs.open_image(value)
+                problem = _image_field_problem(value, size, spec.name, kinds)
+                if problem is not None:
+                    problems.append(f"field {spec.name!r}: {problem}")
         except CorruptSampleError as exc:
             problems.append(exc.problem)
         except codecs.DecodeError as exc:
             problems.append(f"field {spec.name!r} does not decode: {exc}")
     return "; ".join(problems) or None
+
+
+_ONE_CHANNEL = ("1", "L", "P", "I;16", "I;16B", "I;16L", "I")  # modes a mask can be read from (its values)
+
+
+def _image_field_problem(data: bytes, size: Optional[Tuple[int, int]], name: str, kinds: Dict[str, str]
+                         ) -> Optional[str]:
+    """Why an image field's value is not its sample image's size (``size``, None when unknown), or not the
+    kind of image the field's first is; codecs.DecodeError when it does not decode strictly."""
+    stored, mode = codecs.image_header(data)
+    if size is not None and tuple(stored) != tuple(size):  # told before decoding: it may say 13,000 x 13,000
+        return (f"an image of {stored[0]}x{stored[1]} for a sample image of {size[0]}x{size[1]} (width x height): "
+                "a mask or second view is its image's size")
+    kind = f"one-channel ({mode})" if mode in _ONE_CHANNEL else f"colour ({mode})"
+    first = kinds.setdefault(name, kind)
+    if first.split()[0] != kind.split()[0]:
+        return f"a {kind} image where the field's first is {first}: a field's images are of one kind"
+    policy.check_decodes(data)
+    return None
 

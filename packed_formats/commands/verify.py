@@ -20,7 +20,9 @@ exit status: 0 all samples good, 1 bad samples found (the first ones are listed 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", metavar="PATH", help="archive to check")
-    parser.add_argument("--decode", action="store_true", help="also decode every encoded sample")
+    parser.add_argument("--decode", action="store_true",
+                        help="also decode every encoded sample and image field (a mask) strictly, and check that "
+                             "each image field is its image's size")
     parser.add_argument("--max-report", type=int, default=10, metavar="N", help="list at most N bad samples")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 

@@ -26,7 +26,15 @@ import torch
 from .. import codecs, policy
 from ..backends.reader import Reader
 from ..fields import FieldSpec, move_boxes
-from .sample_fields import field_value, image_output, mask_array, parse_roles, variable
+from .sample_fields import (
+    check_image_size,
+    check_mask_shape,
+    field_value,
+    image_output,
+    mask_array,
+    parse_roles,
+    variable,
+)
 
 # Where a sample's image came from: (top, left, height, width) of the stored image, its stored
 # (width, height), and the output (height, width) that box was resized to.
@@ -50,19 +58,30 @@ class BatchFields:
         self.specs: Dict[str, FieldSpec] = {name: by_name[name] for name in roles}
         self.lists = tuple(variable(roles, specs))
 
-    def read(self, reader: Reader, i: int, where: Optional[Where]) -> Dict[str, Any]:
+    def read(self, reader: Reader, i: int, where: Optional[Where], canvas: Optional[Tuple[int, int]] = None
+             ) -> Dict[str, Any]:
         """Sample i's fields, each as its role asks (numpy arrays for pictures and arrays), the pictures
-        cut from ``where``'s box as its image was (None: as stored).  A value that does not fit its
-        image, or does not decode, is a CorruptSampleError naming the sample and the field."""
+        cut from ``where``'s box as its image was (None: as stored, and then ``canvas``'s size, the
+        (height, width) of its image as read).  A value that does not fit its image, or does not decode,
+        is a CorruptSampleError naming the sample and the field."""
         out: Dict[str, Any] = {}
+        size = where[1] if where is not None else None if canvas is None else (canvas[1], canvas[0])
+        shape = reader.manifest.shape
+        channels = 3 if shape is None else shape[2]  # a view's, as the sample's image is given
         for name, role in self.roles.items():
             spec, kind = self.specs[name], role.split(":", 1)[0]
             try:
                 value = reader.read_field(i, name)
-                if kind == "mask":
-                    out[name] = cut_mask(mask_array(value) if spec.kind == "image" else value, where)
+                if kind == "mask" and spec.kind == "image":
+                    out[name] = cut_mask(mask_array(value, size), where)  # its size from its header, first
+                elif kind == "mask":
+                    if where is None and size is not None:
+                        check_mask_shape(value, size)
+                    out[name] = cut_mask(value, where)
                 elif spec.kind == "image":  # [C,H,W], as a dataset gives an image field
-                    out[name] = np.ascontiguousarray(cut_view(value, where).transpose(2, 0, 1))
+                    if size is not None:
+                        check_image_size(value, size, "a second view")
+                    out[name] = np.ascontiguousarray(cut_view(value, where, channels).transpose(2, 0, 1))
                 elif kind == "boxes":
                     out[name] = cut_boxes(value, role.split(":", 1)[1].upper(), where)
                 else:
@@ -150,7 +169,7 @@ def _as_role(stacked: torch.Tensor, role: str) -> torch.Tensor:
 
 def cut_mask(mask: np.ndarray, where: Optional[Where]) -> np.ndarray:
     """A mask ([H,W] or [H,W,C] class values) cut from its image's box and resized to its output size by
-    nearest neighbour (the source pixel under each output pixel's centre); as stored when ``where`` is None.
+    nearest neighbour by torchvision's rule (``policy.nearest_indices``); as stored when ``where`` is None.
     ValueError when it is not its image's size."""
     if where is None:
         return np.ascontiguousarray(mask)
@@ -158,19 +177,18 @@ def cut_mask(mask: np.ndarray, where: Optional[Where]) -> np.ndarray:
     if mask.ndim not in (2, 3) or mask.shape[:2] != (stored_h, stored_w):
         raise ValueError(f"a mask of shape {list(mask.shape)} for an image of {stored_w}x{stored_h} (width x height): "
                          "a mask is its image's size")
-    rows = top + np.minimum(((np.arange(out_h) + 0.5) * height / out_h).astype(np.int64), height - 1)
-    cols = left + np.minimum(((np.arange(out_w) + 0.5) * width / out_w).astype(np.int64), width - 1)
+    rows = policy.nearest_indices(top, height, out_h)  # torchvision's rule: floor(d * in / out)
+    cols = policy.nearest_indices(left, width, out_w)
     return np.take(np.take(mask, rows, axis=0), cols, axis=1)  # rows, then columns: 4x faster than one 2-D gather
 
 
-def cut_view(data: bytes, where: Optional[Where]) -> np.ndarray:
-    """A second view (an encoded image field) as HxWxC uint8, cut and resized as its image was (the same
-    decode-and-crop, bilinear); whole when ``where`` is None, as a dataset gives it (``image_output``).
-    ValueError when it is not its image's size."""
+def cut_view(data: bytes, where: Optional[Where], channels: int = 3) -> np.ndarray:
+    """A second view (an encoded image field) as HxWxC uint8 in the image's ``channels`` (RGB, whatever the
+    file's own mode, as a dataset gives it: ``image_output``), cut and resized as its image was (the same
+    decode-and-crop, bilinear); whole when ``where`` is None.  ValueError when it is not its image's size."""
     if where is None:
-        return image_output(data, "numpy")
+        return image_output(data, "numpy", channels)
     image = codecs.open_image(data)
-    channels = 1 if image.mode in ("1", "L", "I;16", "I;16B", "I;16L", "I") else 3  # grey stays grey, the rest RGB
     box, stored, size = where
     if tuple(image.size) != tuple(stored):
         raise ValueError(f"an image of {image.size[0]}x{image.size[1]} beside its sample's image of "

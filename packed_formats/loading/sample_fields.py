@@ -3,8 +3,9 @@
 ``PackedDataset(path, fields=...)`` returns each sample as a dict: ``image``, ``label`` and the fields
 asked for.  Each field is asked for with a *role* saying what it becomes:
 
-* ``"value"`` (a list of names asks for this): an image field in the dataset's ``output`` form (as
-  the image), an array field as a tensor, text as str, JSON as its value, bytes as bytes;
+* ``"value"`` (a list of names asks for this): an image field in the dataset's ``output`` form, as the
+  sample's image is given (RGB, whatever the file's own mode), an array field as a tensor, text as str,
+  JSON as its value, bytes as bytes;
 * ``"mask"``: a ``tv_tensors.Mask`` (an image field's one channel, or a 2-D array field);
 * ``"boxes:FORMAT"``: a ``tv_tensors.BoundingBoxes`` of an ``[N, 4]`` array field in ``FORMAT`` (XYXY,
   XYWH or CXCYWH) on the sample image's canvas;
@@ -22,7 +23,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .. import codecs
+from .. import codecs, policy
 from ..fields import BOX_FORMATS, FieldSpec
 
 ROLES = ("value", "mask", "image", "boxes")
@@ -60,29 +61,53 @@ def uses_tv_tensors(roles: Optional[Dict[str, str]]) -> bool:
     return bool(roles) and any(role != "value" for role in roles.values())  # type: ignore[union-attr]
 
 
-def field_value(spec: FieldSpec, role: str, value: Any, output: str, canvas: Tuple[int, int]) -> Any:
-    """A field's decoded value (``FieldSpec.decode``) in the form its role asks for; ValueError or
-    codecs.DecodeError when it cannot take it (the caller names the sample)."""
+def field_value(spec: FieldSpec, role: str, value: Any, output: str, canvas: Tuple[int, int],
+                channels: int = 3) -> Any:
+    """A field's decoded value (``FieldSpec.decode``) in the form its role asks for, an image field's view
+    in the sample image's ``channels``; ValueError or codecs.DecodeError when it cannot take it (the caller
+    names the sample)."""
     kind = role.split(":", 1)[0]
     if kind == "value":
         if spec.kind == "image":
-            return image_output(value, output)
+            return image_output(value, output, channels)
         return torch.from_numpy(value) if spec.kind == "array" else value
     from torchvision import tv_tensors
 
     if kind == "boxes":
         return tv_tensors.BoundingBoxes(torch.from_numpy(value), format=role.split(":", 1)[1].upper(),
                                         canvas_size=canvas)
+    size = (canvas[1], canvas[0])  # a mask or a view is its image's size (torchvision's v2 transforms need it so)
     if kind == "mask":
         if spec.kind == "image":
-            return tv_tensors.Mask(torch.from_numpy(mask_array(value)))
+            return tv_tensors.Mask(torch.from_numpy(mask_array(value, size)))
+        check_mask_shape(value, size)
         return tv_tensors.Mask(torch.from_numpy(value))
-    return tv_tensors.Image(image_output(value, "tensor"))
+    check_image_size(value, size, "a second view")
+    return tv_tensors.Image(image_output(value, "tensor", channels))
 
 
-def mask_array(data: bytes) -> np.ndarray:
+def check_image_size(data: bytes, size: Tuple[int, int], what: str) -> None:
+    """ValueError unless an image field's encoded image is ``size`` (width, height), its sample image's: read
+    from its header, before a pixel of it is decoded (a mask that says it is 13,000 x 13,000 never is)."""
+    stored, _ = codecs.image_header(data)
+    if tuple(stored) != tuple(size):
+        raise ValueError(f"{what} of {stored[0]}x{stored[1]} for an image of {size[0]}x{size[1]} (width x height): "
+                         f"{what} is its image's size")
+
+
+def check_mask_shape(mask: np.ndarray, size: Tuple[int, int]) -> None:
+    """ValueError unless an array mask ([H,W] or [H,W,C]) is ``size`` (width, height), its image's."""
+    if mask.ndim not in (2, 3) or mask.shape[:2] != (size[1], size[0]):
+        raise ValueError(f"a mask of shape {list(mask.shape)} for an image of {size[0]}x{size[1]} (width x height): "
+                         "a mask is its image's size")
+
+
+def mask_array(data: bytes, size: Optional[Tuple[int, int]] = None) -> np.ndarray:
     """An image field's stored mask as its values: a palette image's indices, 8 or 16 bits as stored (never
-    through a colour conversion, which would turn classes into grey levels).  ValueError for a colour image."""
+    through a colour conversion, which would turn classes into grey levels).  ValueError for a colour image,
+    and for a mask that is not ``size`` (width, height: its image's), told from its header before decoding."""
+    if size is not None:
+        check_image_size(data, size, "a mask")
     image = codecs.open_image(data)
     if image.mode in ("1", "L", "P"):
         return np.array(image, dtype=np.uint8)
@@ -93,13 +118,14 @@ def mask_array(data: bytes) -> np.ndarray:
     raise ValueError(f"a {image.mode} image is no mask (one channel of class values)")
 
 
-def image_output(data: bytes, output: str) -> Any:
-    """An encoded image field's bytes as an RGB (or L) PIL image, uint8 HxWxC numpy or CxHxW tensor."""
-    image = codecs.open_image(data)
+def image_output(data: bytes, output: str, channels: int = 3) -> Any:
+    """An encoded image field's bytes as a view, given as the sample's image would be from them: decoded to
+    ``channels`` (the archive's: RGB, or L where a raw archive's images are grey) whatever the file's own
+    mode (a palette's colours, never its indices; a 1-bit image as 0 and 255; no alpha), as a PIL image,
+    uint8 HxWxC numpy or CxHxW tensor.  One rule on every path: ``make_loader`` cuts views the same way."""
     if output == "pil":
-        return codecs.to_8bit(image)
-    pixels = np.asarray(codecs.to_8bit(image))
-    pixels = pixels[:, :, None] if pixels.ndim == 2 else pixels
+        return codecs.to_8bit(codecs.open_image(data)).convert("L" if channels == 1 else "RGB")
+    pixels = policy.decode(data, channels)
     if output == "numpy":
         return np.array(pixels, copy=True)
     return torch.from_numpy(np.array(pixels.transpose(2, 0, 1)))  # a copy: the decoded array is read-only

@@ -65,7 +65,13 @@ class Recipe:
         """A field's value as the destination stores it: an image field (a mask) resized as the image is, with
         nearest-neighbour sampling (its values are classes, never blended) and stored as PNG (its mode kept);
         boxes (``boxes``) moved, scaled and clamped as the resize takes the sample's image (``stored()``, as the
-        source stores it); anything else as it is.  codecs.DecodeError when an image field does not decode."""
+        source stores it); anything else as it is.  codecs.DecodeError when an image field does not decode, or
+        lacks pixel data, checked as strictly as images (``policy.check_decodes``)."""
+        if spec.kind == "image" and isinstance(value, bytes):  # checked as strictly as images
+            try:
+                (policy.check_decodes if self.size is None else policy.check_complete)(value)
+            except codecs.DecodeError as exc:
+                raise codecs.DecodeError(f"field {spec.name!r}: {exc}") from None
         if self.size is None:
             return value
         if spec.kind == "image":
@@ -97,6 +103,7 @@ class Recipe:
                 return codecs.to_array(stored, 3)
             image = Image.fromarray(codecs.to_array(stored, 3))
         else:
+            policy.check_complete(stored)  # Pillow's decode would fill what a cut-short file lacks
             return policy.decode(stored, 3, self.size, self.resize_mode, reducing_gap=_REDUCING_GAP)
         if self.size is not None:
             image = policy.resize(image, self.size, self.resize_mode, reducing_gap=_REDUCING_GAP)
