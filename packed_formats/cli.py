@@ -16,7 +16,7 @@ import sys
 from typing import List, NoReturn, Optional
 
 from . import __version__
-from .errors import PackedFormatError
+from .errors import PackedFormatError, printable
 
 COMMANDS = ("convert", "join", "info", "verify", "bench", "doctor", "stage", "upload")
 # module -> (pip package, extra of packed_formats that installs it)
@@ -128,7 +128,8 @@ def describe_import_error(exc: ImportError) -> str:
 
 
 def one_line(text: str) -> str:
-    return " ".join(text.split())
+    """``text`` on one line, a character that does not print (a part name's escape sequence) escaped."""
+    return printable(" ".join(text.split()))
 
 
 if __name__ == "__main__":

@@ -133,6 +133,15 @@ def _noted_fields(message: str) -> Optional[dict]:
     return fields
 
 
+def printable(text: str) -> str:
+    """``text`` with each character that does not print (an escape, a NUL, a newline, a direction mark...)
+    written as Python writes it in a key's repr (``\\x1b``): a name read from a file or a store (a set's
+    part, a class) shown on a terminal as it is, never acting on it."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 class ArchiveNotFoundError(PackedFormatError, FileNotFoundError):
     """The path does not exist."""
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
+import numbers
 import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -36,6 +38,8 @@ NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}\Z")
 RESERVED = frozenset({"image", "label", "key", "index", "target"})  # what a sample's dict already holds
 DTYPES = ("uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64", "float16", "float32",
           "float64", "bool")
+KINDS_TEXT = "image, array:DTYPE[D0,...], bytes, text or json"  # the kinds as --field writes them
+MAX_ROW_BYTES = 1 << 31  # bytes of a row of an array field (of a whole value, when its shape is fixed) at most
 FIELD_ARRAY = re.compile(r"field\.[A-Za-z][A-Za-z0-9_]{0,63}\.(offsets|crc32|positions)\Z")
 
 
@@ -66,7 +70,8 @@ class FieldSpec:
             raise FieldValueError(f"field name {self.name!r} must be letters, digits and _ (starting with a letter, "
                                   f"at most 64), and none of {sorted(RESERVED)}")
         if self.kind not in KINDS:
-            raise FieldValueError(f"field {self.name!r}: kind must be one of {KINDS}, got {self.kind!r}")
+            raise FieldValueError(f"field {self.name!r}: kind must be one of {KINDS_TEXT} "
+                                  f"(such as {self.name}=image or {self.name}=array:float32[N,4]), got {self.kind!r}")
         if self.kind != "array":
             if self.dtype is not None or self.shape is not None:
                 raise FieldValueError(f"field {self.name!r}: only an array field has a dtype and shape")
@@ -80,6 +85,7 @@ class FieldSpec:
         if None in dims[1:]:
             raise FieldValueError(f"field {self.name!r}: only the first dimension may vary, got {shape!r}")
         object.__setattr__(self, "shape", dims)
+        _check_size(self)
 
     @classmethod
     def parse(cls, text: str) -> "FieldSpec":
@@ -87,11 +93,15 @@ class FieldSpec:
         rows), as the command line's ``--field`` takes it: ``mask=image``, ``boxes=array:float32[N,4]``."""
         name, sep, kind = text.partition("=")
         if not sep:
-            raise FieldValueError(f"a field is NAME=KIND, got {text!r}")
+            meant = re.fullmatch(r"\s*(\w+)\s*[:,]\s*(\w+.*)", text)
+            example = f"{meant.group(1)}={meant.group(2)}" if meant else "seg=image"
+            raise FieldValueError(f"a field is NAME=KIND with KIND one of {KINDS_TEXT} (such as {example}), "
+                                  f"got {text!r}")
         match = re.fullmatch(r"array:(\w+)\[([\w, ]*)\]", kind.strip())
         if match:
             dims = [d.strip() for d in match.group(2).split(",") if d.strip()]
-            shape = tuple(None if d.upper() == "N" else _dimension(name, d) for d in dims)
+            shape: Tuple[Any, ...] = tuple(  # a dimension that is no ASCII number left for the check to name
+                None if d.upper() == "N" else int(d) if d.isascii() and d.isdigit() else d for d in dims)
             return cls(name.strip(), "array", match.group(1), shape)
         return cls(name.strip(), kind.strip())
 
@@ -172,13 +182,23 @@ class FieldSpec:
 
 
 def _dimension(name: str, value: Any) -> int:
-    try:
-        dim = int(value)
-    except (TypeError, ValueError):
-        raise FieldValueError(f"field {name!r}: a dimension is a positive integer or N, got {value!r}") from None
-    if dim <= 0 or dim > 1 << 31 or (not isinstance(value, str) and dim != value):
-        raise FieldValueError(f"field {name!r}: a dimension is a positive integer or N, got {value!r}")
-    return dim
+    """A declared dimension: an integer from 1 to 2**31, never a bool, a float or a string however round (a
+    manifest's ``true``, ``2.0`` or ``"2"`` is no shape its writer gave); FieldValueError naming the field."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_)) and 0 < int(value) <= 1 << 31:
+        return int(value)
+    raise FieldValueError(f"field {name!r}: a dimension is a positive integer (at most 2**31) or N, got {value!r}")
+
+
+def _check_size(spec: FieldSpec) -> None:
+    """FieldValueError naming the field when one row of it (its whole value, for a fixed shape) would be more
+    than ``MAX_ROW_BYTES``: no sample holds such a value, and its size would overflow int64 in numpy."""
+    shape = spec.shape or ()
+    fixed = shape if shape[0] is not None else shape[1:]
+    nbytes = np.dtype(spec.dtype).itemsize * math.prod(int(d or 0) for d in fixed)  # Python's int: no overflow
+    if nbytes > MAX_ROW_BYTES:
+        what = "row" if shape[0] is None else "value"
+        raise FieldValueError(f"field {spec.name!r}: {spec.describe()} declares a {what} of {nbytes} bytes, over "
+                              f"the {MAX_ROW_BYTES} bytes (2 GiB) a {what} may hold")
 
 
 def _row_shape(spec: FieldSpec) -> Tuple[int, ...]:
@@ -268,7 +288,13 @@ def _decode_json(spec: FieldSpec, data: Any) -> Any:
     def no_constants(name: str) -> Any:
         raise ValueError(f"{name} is no JSON value")
 
-    return json.loads(bytes(data).decode("utf-8"), parse_constant=no_constants)
+    def finite(text: str) -> float:  # 1e999 parses as infinity, which the writer never stores
+        value = float(text)
+        if not math.isfinite(value):
+            raise ValueError(f"number {text} is not finite (out of a float's range)")
+        return value
+
+    return json.loads(bytes(data).decode("utf-8"), parse_constant=no_constants, parse_float=finite)
 
 
 _ENCODERS = {"image": _encode_image, "array": _encode_array, "bytes": _encode_bytes, "text": _encode_text,

@@ -12,7 +12,7 @@ from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
 
 from .checksum import crc32
 from .errors import CorruptArchiveError, IncompleteArchiveError, UnsupportedVersionError
-from .fields import FieldSpec, check_fields
+from .fields import FieldSpec, FieldValueError, check_fields
 
 MODES = ("raw", "encoded")
 CHECKSUM = "crc32"
@@ -212,7 +212,11 @@ def _parse_fields(data: Any) -> Tuple[FieldSpec, ...]:
     """The manifest's ``fields`` list as FieldSpecs (ValueError when it is no list of distinct fields)."""
     if not isinstance(data, list):
         raise ValueError(f"the manifest's fields are a list, got {type(data).__name__}")
-    return check_fields([FieldSpec.from_json(item) for item in data])
+    try:
+        return check_fields([FieldSpec.from_json(item) for item in data])
+    except FieldValueError as exc:  # the writer checks each declaration as this does: none wrote this one
+        raise FieldValueError(f"{exc} (a declaration no writer makes: the manifest was damaged or edited; "
+                              "re-create the archive from its source)") from None
 
 
 def _content_crc32(data: Dict[str, Any]) -> int:

@@ -290,6 +290,26 @@ def test_verify_decode_catches_a_sample_that_does_not_decode(tmp_path, capsys, i
     assert f"sample index 1, key {source.key(1)!r}" in capsys.readouterr().out
 
 
+def test_a_part_name_with_control_characters_is_printed_escaped_by_info_and_verify(tmp_path, capsys, image_folder):
+    """A set's part names come from its index: one with a terminal's escape sequence in it is shown as Python
+    writes it (``\\x1b``), as a key is, in what ``info`` and ``verify`` print, and in their errors."""
+    stem = "set\x1b[31mRED\x1b[0m"  # a sealed index names its parts after it: set\x1b[31mRED\x1b[0m-00000.zip
+    index = tmp_path / f"{stem}.zip"
+    pf.convert(image_folder, index, format="zip", shard_size=10, quiet=True, workers=1)
+    assert (tmp_path / f"{stem}-00001.zip").exists()
+    escaped = r"set\x1b[31mRED\x1b[0m"
+    for command in (["info", str(index)], ["info", "--json", str(index)], ["verify", "--quiet", str(index)]):
+        assert cli.main(command) == 0
+        out, err = capsys.readouterr()
+        assert "\x1b" not in out + err and "RED" in out, command
+    assert f"{tmp_path}/{escaped}.zip: {N} samples, checksums checked: OK" in out  # verify's verdict
+    shutil.copyfile(tmp_path / f"{stem}-00000.zip", tmp_path / f"{stem}-00001.zip")  # part 0 where 1 should be
+    for command in (["info", str(index)], ["verify", "--quiet", str(index)]):
+        assert cli.main(command) == 2
+        out, err = capsys.readouterr()
+        assert "\x1b" not in out + err and f"{tmp_path}/{escaped}-00001.zip" in err, (command, err)
+
+
 # ---- user mistakes --------------------------------------------------------------------
 
 

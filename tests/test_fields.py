@@ -7,6 +7,7 @@ import dataclasses
 import io
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -97,6 +98,57 @@ def test_a_manifest_declaring_fields_it_cannot_have_is_refused(data):
                        "fields": data})
     with pytest.raises(ValueError):
         ArchiveManifest.from_json(text)
+
+
+def reseal_field_shape(path, shape) -> None:
+    """Give the first field of the memmap archive at ``path`` the declared ``shape`` (any JSON), and seal its
+    manifest again as its writer would: only a reader's own checks of the declaration stand in the way."""
+    from packed_formats.manifest import _content_crc32, canonical_json
+
+    name = os.path.join(path, memmap.MANIFEST)
+    with open(name) as file:
+        data = json.load(file)
+    del data["manifest_crc32"]
+    data["fields"][0]["shape"] = shape
+    data["manifest_crc32"] = _content_crc32(data)
+    with open(name, "w") as file:
+        file.write(canonical_json(data))
+
+
+@pytest.mark.parametrize("shape, problem", [
+    ([None, 2147483648, 2147483648, 2147483648], "row of 39614081257132168796771975168 bytes"),
+    ([65536, 65536, 65536], "value of 1125899906842624 bytes"),
+    ([None, 1 << 30, 4], "row of 17179869184 bytes"),
+    ([None, True], "True"), ([None, 2.0], "2.0"), ([None, "2"], "'2'"), ([True, 4], "True"), ([4.0, 4], "4.0"),
+])
+def test_a_declared_shape_no_value_can_have_is_refused_by_name_when_the_manifest_is_read(tmp_path, shape, problem):
+    """A resealed manifest whose array field's rows would not fit in memory (their size overflowing int64) or
+    whose dimensions are no integers (true, 2.0, "2") is refused when the archive opens, naming the archive,
+    the field and the dimension: never a ZeroDivisionError, a coerced shape or a wrong value later."""
+    path = tmp_path / "a.memmap"
+    with pf.open_writer(path, format="memmap", mode="raw", shape=SHAPE, classes=["a"],
+                        fields=["boxes=array:float32[N,2]"]) as writer:
+        for i in range(3):
+            writer.add(image_of(i), 0, fields={"boxes": np.zeros((i, 2), np.float32)})
+    reseal_field_shape(path, shape)
+    for opening in (pf.open_archive, pf.verify_archive, lambda p: pf.PackedDataset(p, fields=["boxes"])[0]):
+        with pytest.raises(pf.CorruptArchiveError, match="field 'boxes'") as caught:
+            opening(path)
+        assert str(path) in str(caught.value) and problem in str(caught.value)
+    with pytest.raises(FieldValueError, match=f"field 'boxes'.*{re.escape(problem)}"):
+        FieldSpec.from_json({"name": "boxes", "kind": "array", "dtype": "float32", "shape": shape})
+
+
+def test_a_declared_shape_is_bounded_and_of_integers_however_it_is_given():
+    """The command line's text and the Python API are held to the same bounds as the manifest."""
+    assert FieldSpec("b", "array", "uint8", (None, np.int64(4))).shape == (None, 4)
+    assert FieldSpec.parse("b=array:uint8[N,2147483648]").shape == (None, 1 << 31)  # a row of 2 GiB at most
+    for bad in ("b=array:float32[N,2147483648]", "b=array:uint8[N,65536,65536]", "b=array:uint8[N,٢]"):
+        with pytest.raises(FieldValueError, match="field 'b'"):
+            FieldSpec.parse(bad)
+    for dims in ((None, True), (None, 2.0), (None, "2"), (np.bool_(True), 2)):
+        with pytest.raises(FieldValueError, match="field 'b'.*a dimension is a positive integer"):
+            FieldSpec("b", "array", "uint8", dims)
 
 
 # ---- storing and reading ----------------------------------------------------------------------------------
@@ -408,6 +460,20 @@ def test_a_member_that_is_no_value_of_its_field_is_named_or_skipped(tmp_path, ch
     with pf.open_archive(tmp_path / "out.zip") as reader:
         assert len(reader) == 5 and "s0003" not in " ".join(reader.key(i) for i in range(5))
         assert [reader.read_field(i, "txt") for i in range(5)] == [f"caption {i}" for i in (0, 1, 2, 4, 5)]
+
+
+def test_auto_fields_name_every_array_member_to_declare_in_one_message(tmp_path):
+    def more_arrays(i, members):
+        members["depth.npy"] = npy(np.zeros((20, 30), np.uint16))
+        members["points.npy"] = npy(np.zeros((2, 2), np.float32))
+
+    shard = write_shard(tmp_path / "shard-000.tar", change=more_arrays)
+    with pytest.raises(pf.InvalidSourceError, match="the .boxes.npy, .depth.npy and .points.npy members are arrays: "
+                                                    "declare.*--field boxes=array:DTYPE\\[N,...\\] --field "
+                                                    "depth=array:DTYPE\\[N,...\\] --field points=array:"):
+        pf.convert(shard, tmp_path / "a.zip", fields=["auto"], quiet=True)
+    pf.convert(shard, tmp_path / "b.zip", fields=["auto", "boxes=array:float32[N,4]", "depth=array:uint16[20,30]",
+                                                 "points=array:float32[N,2]"], quiet=True, workers=1)
 
 
 def test_fields_are_refused_where_they_cannot_be_packed(tmp_path):
@@ -738,3 +804,12 @@ def test_a_masks_class_values_survive_as_stored_palette_and_16_bit_alike(tmp_pat
     assert np.array_equal(sample["voc"].numpy(), np.asarray(palette)) and sample["voc"].max() == 4
     assert np.array_equal(sample["given"].numpy(), np.asarray(palette))
     assert sample["wide"].dtype == torch.uint16 and np.array_equal(sample["wide"].numpy(), wide)
+
+
+@pytest.mark.parametrize("text", ["1e999", "[1, -1e400]", '{"a": 1E999}'])
+def test_json_with_a_number_out_of_range_is_refused_not_read_as_infinity(text):
+    spec = FieldSpec("meta", "json")
+    with pytest.raises(FieldValueError, match="not finite"):
+        spec.decode(text.encode())
+    with pytest.raises(FieldValueError, match="not finite"):
+        spec.from_file(text.encode())

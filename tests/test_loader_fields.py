@@ -79,7 +79,8 @@ def test_batches_are_dicts_of_every_field_as_the_dataset_gives_them(tmp_path, fm
     seen = []
     for batch in loader:
         assert set(batch) == {"image", "label", "index", *names}
-        assert batch["mask"].shape == (len(batch["index"]), 1, 24, 32) and batch["depth"].dtype == torch.float16
+        # an image field asked for as a value is given as the image is (RGB), even a grey mask's PNG
+        assert batch["mask"].shape == (len(batch["index"]), 3, 24, 32) and batch["depth"].dtype == torch.float16
         for j, i in enumerate(batch["index"].tolist()):
             want = dataset[i]
             assert torch.equal(batch["image"][j], want["image"]) and int(batch["label"][j]) == want["label"]
@@ -198,8 +199,8 @@ def test_fields_arrive_alike_under_every_start_method(tmp_path, method):
 def test_the_cut_of_a_mask_and_boxes_is_the_boxes_nearest_pixels():
     mask = ramp_mask(10, 20)
     cut = cut_mask(mask, ((2, 4, 6, 8), (20, 10), (3, 4)))  # box: top 2, left 4, 6 high, 8 wide -> 3x4
-    assert (cut // 256).tolist() == [[3] * 4, [5] * 4, [7] * 4]
-    assert (cut % 256).tolist() == [[5, 7, 9, 11]] * 3
+    assert (cut // 256).tolist() == [[2] * 4, [4] * 4, [6] * 4]  # torchvision's rule: floor(d * in / out)
+    assert (cut % 256).tolist() == [[4, 6, 8, 10]] * 3
     boxes = cut_boxes(np.array([[4, 2, 12, 8], [0, 0, 2, 2]], np.float32), "XYXY", ((2, 4, 6, 8), (20, 10), (3, 4)))
     assert boxes.tolist() == [[0, 0, 4, 3], [0, 0, 0, 0]]
     xywh = cut_boxes(np.array([[6, 4, 4, 2]], np.float32), "XYWH", ((2, 4, 6, 8), (20, 10), (3, 4)))
@@ -266,6 +267,104 @@ def test_a_second_view_is_cut_as_its_image_is(tmp_path):
                                 transform=v2.Compose([v2.RandomResizedCrop(24), v2.RandomHorizontalFlip()])):
         assert type(batch["depth"]).__name__ == "Image"
         assert torch.equal(batch["depth"].as_subclass(torch.Tensor), batch["image"])  # the same pixels, the same cut
+
+
+# ---- one output form on every path: views as the image is given, masks as stored values --------------------
+PNG_MODES = ["P", "1", "LA", "RGBA"]
+
+
+def mode_png(mode: str, height: int = 20, width: int = 24, shift: int = 0) -> bytes:
+    """A PNG of ``mode`` (palette, 1-bit, grey with alpha, RGBA) whose pixels vary over the image."""
+    rows, cols = np.mgrid[0:height, 0:width]
+    values = ((rows * 7 + cols * 3 + shift) % 5).astype(np.uint8)  # a palette's indices, 0..4
+    if mode == "P":
+        image = Image.fromarray(values, mode="P")
+        image.putpalette([255, 0, 0, 0, 255, 0, 0, 0, 255, 255, 255, 0, 9, 9, 9] + [0] * (768 - 15))
+    elif mode == "1":
+        image = Image.fromarray(values % 2 == 1).convert("1")
+    elif mode == "LA":
+        image = Image.fromarray(np.stack([values * 50, (cols * 10).astype(np.uint8)], axis=-1), mode="LA")
+    else:
+        image = Image.fromarray(np.stack([values * 50, (rows * 12).astype(np.uint8), (cols * 10).astype(np.uint8),
+                                          np.full_like(values, 90)], axis=-1), mode="RGBA")
+    assert image.mode == mode
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def write_views(path, mode: str, archive_mode: str, count: int = 5) -> None:
+    """Samples whose image and ``view`` field are the same PNG of ``mode``, and a ``seg`` mask of that mode."""
+    with pf.open_writer(path, format="zip", mode=archive_mode, classes=["a"], shape=(20, 24, 3), encoding="png",
+                        fields=["view=image", "seg=image"]) as writer:
+        for i in range(count):
+            data = mode_png(mode, shift=i)
+            writer.add(data, 0, key=f"s{i}", fields={"view": data, "seg": data})
+
+
+@pytest.mark.parametrize("archive_mode", ["raw", "encoded"])
+@pytest.mark.parametrize("mode", PNG_MODES)
+def test_an_image_field_is_given_as_its_image_on_every_path(tmp_path, mode, archive_mode):
+    """A view (an image field asked for as "value" or "image") comes in the sample image's own form, RGB, from
+    the dataset in every output and from make_loader whole, cut while decoding, or resized: never a palette's
+    indices, a 1-bit image's bools, or a grey or alpha channel that the image does not have."""
+    from torchvision.transforms import v2
+
+    path = tmp_path / f"{mode}.zip"
+    write_views(path, mode, archive_mode)
+    for output in ("tensor", "numpy", "pil"):
+        dataset = pf.PackedDataset(path, output=output, fields={"view": "value"})
+        for i in range(len(dataset)):
+            sample = dataset[i]
+            if output == "pil":
+                assert sample["view"].mode == sample["image"].mode == "RGB", (output, i)
+            got, want = np.asarray(sample["view"]), np.asarray(sample["image"])
+            assert got.dtype == want.dtype == np.uint8 and np.array_equal(got, want), (output, i)
+    sample = pf.PackedDataset(path, output="tensor", fields={"view": "image"})[0]
+    assert type(sample["view"]).__name__ == "Image" and torch.equal(sample["view"], sample["image"])
+    crop = v2.Compose([v2.RandomResizedCrop((12, 16), scale=(0.3, 1.0)), v2.RandomHorizontalFlip()])
+    paths = [{}, {"transform": crop}, {"transform": crop, "num_workers": 2}]
+    paths += [{"size": (16, 14)}, {"size": 12, "resize_mode": "shorter-side-center-crop"}] \
+        if archive_mode == "encoded" else []
+    for role in ("value", "image"):
+        for options in paths:
+            loader = pf.make_loader(path, batch_size=3, **{"num_workers": 0, **options}, fields={"view": role})
+            for batch in loader:
+                view = batch["view"].as_subclass(torch.Tensor)
+                assert view.shape == batch["image"].shape and view.shape[1] == 3, (role, options)
+                assert torch.equal(view, batch["image"]), (role, options)  # the same pixels, the same cut
+
+
+@pytest.mark.parametrize("archive_mode", ["raw", "encoded"])
+@pytest.mark.parametrize("mode", PNG_MODES)
+def test_an_image_field_asked_for_as_a_mask_is_its_stored_values_on_every_path(tmp_path, mode, archive_mode):
+    """A mask is a palette's indices and a 1-bit image's 0 and 1 (uint8, one channel) from the dataset and from
+    make_loader whole, cut or resized; an image with more than one channel is no mask, on every path alike."""
+    from torchvision.transforms import v2
+
+    path = tmp_path / f"{mode}.zip"
+    write_views(path, mode, archive_mode)
+    crop = v2.Compose([v2.RandomResizedCrop((12, 16), scale=(0.3, 1.0)), v2.RandomHorizontalFlip()])
+    paths = [{}, {"transform": crop}] + ([{"size": (16, 14)}] if archive_mode == "encoded" else [])
+    if mode in ("LA", "RGBA"):
+        with pytest.raises(pf.CorruptSampleError, match=rf"s0.*field 'seg'.*{mode} image is no mask"):
+            pf.PackedDataset(path, output="tensor", fields={"seg": "mask"})[0]
+        for options in paths:
+            with pytest.raises(pf.CorruptSampleError, match=rf"field 'seg'.*{mode} image is no mask"):
+                list(pf.make_loader(path, batch_size=3, num_workers=0, fields={"seg": "mask"}, **options))
+        return
+    stored = [np.asarray(Image.open(io.BytesIO(mode_png(mode, shift=i)))).astype(np.uint8) for i in range(5)]
+    dataset = pf.PackedDataset(path, output="tensor", fields={"seg": "mask"})
+    for i, want in enumerate(stored):
+        got = dataset[i]["seg"].as_subclass(torch.Tensor)
+        assert got.dtype == torch.uint8 and np.array_equal(got.numpy(), want), i
+    whole = list(pf.make_loader(path, batch_size=5, num_workers=0, shuffle=False, fields={"seg": "mask"}))
+    assert np.array_equal(whole[0]["seg"].as_subclass(torch.Tensor).numpy(), np.stack(stored))
+    for options in paths[1:]:
+        for batch in pf.make_loader(path, batch_size=3, num_workers=0, fields={"seg": "mask"}, **options):
+            seg = batch["seg"].as_subclass(torch.Tensor)
+            assert seg.dtype == torch.uint8 and seg.shape == batch["image"].shape[:1] + batch["image"].shape[2:]
+            assert set(seg.unique().tolist()) <= ({0, 1} if mode == "1" else {0, 1, 2, 3, 4}), options
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -223,6 +223,31 @@ def test_a_memmap_part_folder_this_user_may_not_search_says_permission_and_names
         assert "permission denied" in message and part in message, message
 
 
+@pytest.mark.slow  # forks a child that gives up root
+@pytest.mark.parametrize("kind", [("memmap", "raw"), ("folder", "encoded"), ("lmdb", "encoded"), ("zip", "raw")],
+                         ids=kind_id)
+def test_an_archive_this_user_may_not_read_says_permission_alike_on_every_entry(archives, shared_dir, kind):
+    """An archive that this user may not read (a folder it may not list: memmap, a plain image folder; a file:
+    LMDB, ZIP) is "permission denied" naming it from ``packed-formats info`` as from ``open_archive``, never
+    "not a dataset this library reads"."""
+    path = public_copy(archives[kind], os.path.join(shared_dir, os.path.basename(archives[kind])))
+    for entry, call in ENTRIES.items():
+        call(path)  # imports, in the parent, what the child's call needs
+        assert as_unprivileged(functools.partial(call, path))[0] == "ok", entry  # the control: readable, it reads
+    for mode in FOLDER_MODES if os.path.isdir(path) else (0o000,):
+        os.chmod(path, mode)
+        try:
+            outcomes = {entry: as_unprivileged(functools.partial(call, path)) for entry, call in ENTRIES.items()}
+        finally:
+            os.chmod(path, 0o755 if os.path.isdir(path) else 0o644)
+        for entry, (name, message) in outcomes.items():
+            if entry == "packed-formats info":
+                assert name == "ok" and message.startswith("exit 2: packed-formats info: error: "), (oct(mode), message)
+            else:
+                assert name == "ArchivePermissionError", (oct(mode), entry, name, message)
+            assert f"permission denied: this user may not read {path}" in message, (oct(mode), entry, message)
+
+
 # ---- staging where this user may not write ------------------------------------------------------------
 @pytest.mark.parametrize("into", ["the folder", "a new folder in it"])
 def test_staging_where_this_user_may_not_write_says_so_and_names_the_folder(archives, shared_dir, into):

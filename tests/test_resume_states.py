@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 import numpy as np
 import pytest
@@ -207,6 +208,21 @@ SAMPLER_VALUES = [
 def test_a_sampler_state_with_a_wrong_field_is_refused_naming_it(archive, sampler_state, name, value, match):
     with pytest.raises(ValueError, match=match):
         pf.ResumableSampler(pf.PackedDataset(archive), seed=2).load_state_dict({**sampler_state, name: value})
+
+
+@pytest.mark.parametrize("consumed", [2.5, 2.0, True, False, "3", float("nan"), float("inf"), np.float64(3.0), [3]],
+                         ids=repr)
+def test_a_consumed_count_that_is_no_integer_is_refused_naming_it(archive, consumed):
+    """``state_dict(consumed=...)`` takes an integer (Python's or numpy's), never a bool, a float however
+    round, or a string: never coerced to another count, and never an error that names nothing."""
+    sampler = pf.ResumableSampler(pf.PackedDataset(archive), seed=2)
+    for iterated in (False, True):
+        if iterated:
+            iter(sampler)
+        with pytest.raises(ValueError, match=r"consumed must be an integer .*, got " + re.escape(repr(consumed))):
+            sampler.state_dict(consumed=consumed)
+    assert sampler.state_dict(consumed=np.int64(3))["consumed"] == 3 and type(sampler.state_dict(consumed=3)[
+        "consumed"]) is int
 
 
 def test_a_sampler_over_a_length_checks_the_shape_of_the_archive_field(sampler_state):

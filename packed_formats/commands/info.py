@@ -11,7 +11,9 @@ import numpy as np
 
 from .. import storage
 from ..archives import open_archive
+from ..errors import printable
 from ..sources import detect_source, open_source
+from ..sources.base import describe_skipped
 from ..sources.layout import DATASET_JSON
 from ..space import disk_usage, human_bytes
 from .convert import add_source_arguments, one_line_warnings, source_argument, source_options
@@ -28,6 +30,7 @@ EXAMPLES = """examples:
   packed-formats info dataset.tar.gz --subdir train   # a dataset's container: what convert would make of it"""
 
 _SHOWN_CLASSES = 20
+_SHOWN_SKIPPED = 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,6 +66,7 @@ def describe_source(path: "str | Sequence[str]", **options: Any) -> Dict[str, An
             "samples": len(source),
             "shape": None if source.raw_shape is None else list(source.raw_shape),
             "skipped": source.skipped,
+            "skipped_names": source.skipped_names,
             "failed": source.failed,
             "reading": source.notes(),
             "classes": {name: int(counts[c]) for c, name in enumerate(source.classes)},
@@ -113,11 +117,10 @@ def run(args: argparse.Namespace) -> int:
     with one_line_warnings("info"):
         facts = describe(source_argument(args.path), **given)
     if args.json:
-        print(json.dumps(facts, indent=1))
-    elif "source" in facts:
-        print("\n".join(_source_lines(facts, args.all_classes)))
-    else:
-        print("\n".join(_lines(facts, args.all_classes)))
+        print(json.dumps(facts, indent=1))  # JSON escapes what does not print
+    else:  # names read from the archive (parts, classes) with what does not print escaped, as keys are
+        lines = _source_lines(facts, args.all_classes) if "source" in facts else _lines(facts, args.all_classes)
+        print("\n".join(printable(line) for line in lines))
     return 0
 
 
@@ -131,7 +134,8 @@ def _source_lines(f: Dict[str, Any], all_classes: bool) -> List[str]:
     if f["shape"]:
         lines.append(f"shape       {'x'.join(map(str, f['shape']))} (HxWxC uint8)")
     lines += [f"reading     {note}" for note in f["reading"]]
-    lines.append(f"skipped     {f['skipped']} non-image files, {len(f['failed'])} unusable samples")
+    lines.append(f"skipped     {describe_skipped(f['skipped'], f['skipped_names'], _SHOWN_SKIPPED, verb='')}; "
+                 f"{len(f['failed'])} unusable samples")
     lines += [f"  {failure}" for failure in f["failed"][:_SHOWN_CLASSES]]
     return lines + _class_lines(f, all_classes)
 

@@ -50,8 +50,12 @@ class PackedDataset(torch.utils.data.Dataset):
     Args:
         source: archive path (format auto-detected; ``~`` expanded as ImageFolder
             does) or an open Reader.
-        transform, target_transform: applied to the image and the label; plain
-            attributes that may be set after construction.
+        transform: applied to the image (with ``fields``: to the whole item, below); a plain
+            attribute that may be set after construction.
+        target_transform: applied to the label alone; a plain attribute too.
+        transforms: instead of those two, one callable of ``(image, target)`` returning both, as torchvision's
+            datasets and its detection and segmentation references take it: items are ``(image, target)``,
+            the target the label, or with ``fields`` a dict of ``label`` and the fields.
         output: what ``transform`` gets and an item holds: "pil" (RGB, or L for a
             1-channel raw archive), "tensor" (uint8 CxHxW) or "numpy" (uint8 HxWxC).
         verify: check each sample's CRC32 on read (CorruptSampleError on mismatch).
@@ -83,12 +87,16 @@ class PackedDataset(torch.utils.data.Dataset):
         format: Optional[str] = None,
         *,
         fields: "Sequence[str] | Dict[str, str] | None" = None,
+        transforms: Optional[Callable] = None,
         cache_dir: "str | os.PathLike[str] | None" = None,
         cache_limit: "int | str | None" = None,
         storage_options: Optional[Dict[str, Any]] = None,
     ) -> None:
         if output not in OUTPUTS:
             raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
+        if transforms is not None and (transform is not None or target_transform is not None):
+            raise ValueError("give transforms or transform/target_transform, not both (as torchvision's datasets)")
+        self._joint = transforms
         if not isinstance(source, Reader):
             source = open_archive(os.path.expanduser(os.fspath(source)), format=format, verify=verify,
                                   cache_dir=cache_dir, cache_limit=cache_limit, storage_options=storage_options)
@@ -150,7 +158,10 @@ class PackedDataset(torch.utils.data.Dataset):
     @property
     def transforms(self) -> Optional[Callable]:
         """``transform`` and ``target_transform`` as one ``(image, label)`` callable, as torchvision's
-        VisionDataset has it (None when neither is set); it follows later changes to either."""
+        VisionDataset has it (None when neither is set); it follows later changes to either.  The joint
+        callable given as ``transforms=`` when there is one."""
+        if self._joint is not None:
+            return self._joint
         if self.transform is None and self.target_transform is None:
             return None
         from torchvision.datasets.vision import StandardTransform
@@ -239,6 +250,8 @@ class PackedDataset(torch.utils.data.Dataset):
             return self._sample_with_fields(stored, i, self.fields)
         image = self._to_output(stored, i, self.output)
         label = int(self.reader.labels[i])
+        if self._joint is not None:
+            return self._joint(image, label)
         if self.transform is not None:
             if self.output == "numpy":
                 self._check_takes_numpy(self.transform)
@@ -271,9 +284,12 @@ class PackedDataset(torch.utils.data.Dataset):
             spec = self.reader.manifest.field(name)
             try:
                 sample[name] = sample_fields.field_value(spec, role, self.reader.read_field(i, name), self.output,
-                                                         canvas)
+                                                         canvas, self._channels())
             except (ValueError, codecs.DecodeError) as exc:
                 raise self.reader.sample_error(i, f"field {name!r}: {exc}") from None
+        if self._joint is not None:  # (image, target): the target the label and the fields
+            image = sample.pop("image")
+            return self._joint(image, sample)
         if self.transform is not None:
             sample = self.transform(sample)
         if self.target_transform is not None:

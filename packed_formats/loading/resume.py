@@ -392,6 +392,9 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         return state
 
     def _position(self, consumed: Optional[int]) -> EpochPosition:
+        if consumed is not None and not _is_int(consumed):  # never coerced: 2.5, True or "3" is no count
+            raise ValueError(f"consumed must be an integer (the samples the loop has taken since this pass began) "
+                             f"or None, got {consumed!r}")
         if self._pending is not None or self._pass is None:
             if consumed:
                 raise ValueError("consumed must be 0 before the sampler has been iterated")

@@ -18,7 +18,7 @@ import os
 from typing import Any, List, Optional, Sequence, Type, Union
 
 from ..backends import folder_denied, unsearchable_folder
-from ..errors import ArchiveNotFoundError, InvalidSourceError, UnknownFormatError
+from ..errors import ArchiveNotFoundError, ArchivePermissionError, InvalidSourceError, UnknownFormatError
 from .base import (
     Sample,
     Source,
@@ -30,6 +30,7 @@ from .base import (
     read_head,
     warn_if_suspicious,
 )
+from .coco import CocoSource
 from .flat_folder import FlatFolderSource, read_label_file
 from .folder import FolderSource
 from .hdf5 import HDF5Source
@@ -40,11 +41,14 @@ from .packed import PackedSource
 from .pickled_lmdb import PickledLMDBSource
 from .tar import TarSource
 from .tarfiles import TarBackedSource, list_for_sources
+from .voc import VocSource
 from .webdataset import WebDatasetSource, expand_shards, is_pattern
 from .zip import ZipSource
 
 KINDS: List[Type[Source]] = [
     PackedSource,
+    CocoSource,  # COCO and VOC layouts: image folders (or a ZIP file) with annotations beside them
+    VocSource,
     FolderSource,
     ParquetSource,  # Hugging Face Hub shards, and save_to_disk folders
     ArrowSource,
@@ -185,7 +189,12 @@ def _kind(paths: List[str], options: SourceOptions) -> Type[Source]:
     if len(paths) > 1:
         return WebDatasetSource
     path = paths[0]
-    head = read_head(path)
+    try:  # unreadable, no kind can be told: said as opening it as an archive says it
+        if os.path.isdir(path) and not os.access(path, os.R_OK | os.X_OK):  # nothing in it can be listed
+            raise PermissionError(path)
+        head = read_head(path)
+    except PermissionError:
+        raise ArchivePermissionError.denied(path) from None
     for kind in KINDS:
         if kind.sniff(path, head):
             return TarBackedSource if issubclass(kind, TarBackedSource) else kind
