@@ -144,6 +144,40 @@ def test_breaking_out_of_an_epoch_keeps_its_position(archive):
     assert (loader.state_dict()["epoch"], loader.state_dict()["batches"]) == (2, 0)
 
 
+def damage_samples(path: str, indices) -> None:
+    """Flip a byte of each of these samples of a raw memmap archive, as a bad stretch of disk would."""
+    with pf.open_archive(path) as reader:
+        nbytes = reader.manifest.sample_nbytes
+    with open(os.path.join(path, "images.npy"), "r+b") as file:
+        for i in indices:
+            file.seek(128 + nbytes * int(i) + 5)  # past the .npy header
+            byte = file.read(1)
+            file.seek(-1, os.SEEK_CUR)
+            file.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::packed_formats.SkippedSampleWarning")
+def test_workers_skip_a_whole_damaged_batch_and_resume_around_it_exactly(tmp_path):
+    options = dict(batch_size=4, num_workers=2, seed=5, on_error="skip", multiprocessing_context="fork")
+    path = unique_archive(tmp_path / "damaged.memmap", 29)
+    bad = epoch_order(29, epoch=0, seed=5)[8:12].tolist()  # every sample of epoch 0's third batch
+    damage_samples(path, bad)
+    full = epochs_of(loader_for(path, dict(options)), 2)
+    assert len(full[0]) == 7 and sorted([s for labels, _ in full[0] for s in labels] + bad) == list(range(29))
+    for k in (2, 3):  # stopped before the empty batch (it is made again), and after it
+        interrupted = loader_for(path, dict(options))
+        batches = iter(interrupted)
+        head = [record(*next(batches)) for _ in range(k)]
+        state = json.loads(json.dumps(interrupted.state_dict()))
+        del batches, interrupted
+        assert state["batches"] == k + (k > 2)  # the empty batch counts as done once a later one is handed out
+        resumed = loader_for(path, dict(options))
+        resumed.load_state_dict(state)
+        assert head + epochs_of(resumed, 1)[0] == full[0], k
+        assert epochs_of(resumed, 1)[0] == full[1], k
+
+
 def test_set_epoch_to_another_epoch_drops_the_resume(archive):
     options = dict(batch_size=4, num_workers=0, seed=3)
     loader = pf.make_loader(archive, **options)

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import gc
+import json
 import multiprocessing
 import os
 import pickle
+import shutil
 import signal
+import subprocess
+import sys
+import tempfile
 import time
 import zlib
 
@@ -292,41 +297,133 @@ def test_after_a_worker_is_killed_the_slots_are_freed_and_the_next_pass_runs(arc
     assert wait_for_no_files(token) == []
 
 
+# ---- a killed main process leaves nothing behind -----------------------------------------------------------
+KILLED = os.path.join(os.path.dirname(__file__), "killed_loader.py")
+KILL_CASES = [{"method": "fork", "fields": False}, {"method": "spawn", "fields": False},
+              {"method": "fork", "fields": True}]  # persistent workers, a v2 transform, batches in their messages
+
+
+def stat_of(pid: int):
+    """(state, parent pid, start time) of a process, None when there is none."""
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            fields = file.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return fields[0], int(fields[1]), fields[19]
+
+
+def children_of(parent: int) -> dict:
+    """{pid: start time} of the live processes whose parent is ``parent``."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        stat = stat_of(int(entry)) if entry.isdigit() else None
+        if stat is not None and stat[1] == parent and stat[0] != "Z":
+            found[int(entry)] = stat[2]
+    return found
+
+
+def still_running(processes: dict) -> list:
+    """Those of ``{pid: start time}`` that still run (not ended, reaped or a zombie)."""
+    running = []
+    for pid, start in processes.items():
+        stat = stat_of(pid)
+        if stat is not None and stat[2] == start and stat[0] != "Z":
+            running.append(pid)
+    return running
+
+
+def kill_mid_epoch(path: str, case: dict, log: str, delay: float = 0.0) -> tuple:
+    """Run ``tests/killed_loader.py`` on ``path`` with ``case``, SIGKILL it ``delay`` seconds after it is ready,
+    and wait (30 s at most: a bound, not a speed asked for) for its slot files and workers to go: (slot files
+    left, workers still running, workers seen).  Its stderr goes to the file ``log``."""
+    directory = tempfile.mkdtemp(prefix="pf-test-", dir=slots.SHARED_DIRECTORY)  # a tmpfs folder of its own
+    try:
+        with open(log, "w") as errors:
+            child = subprocess.Popen([sys.executable, KILLED, path, directory, json.dumps(case)],
+                                     stdout=subprocess.PIPE, stderr=errors, text=True)
+            try:
+                ready = child.stdout.readline()
+                workers = children_of(child.pid)  # the DataLoader workers (and spawn's resource tracker)
+                time.sleep(delay)
+            finally:
+                child.kill()
+                child.wait()
+                child.stdout.close()
+        with open(log) as errors:
+            assert ready == "ready\n", errors.read()[-3000:]
+        deadline = time.monotonic() + 30
+        while (os.listdir(directory) or still_running(workers)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left, running = os.listdir(directory), still_running(workers)
+        for pid in running:  # never leave them to the next test
+            os.kill(pid, signal.SIGKILL)
+        return left, running, workers
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", KILL_CASES, ids=lambda c: c["method"] + ("-fields" if c["fields"] else ""))
+def test_a_main_process_killed_mid_epoch_leaves_no_slot_file_and_no_worker(archive, tmp_path, case):
+    if case["fields"]:
+        from .test_loader_fields import SIZES, write_ramps
+
+        path = os.fspath(tmp_path / "ramps.zip")
+        write_ramps(path, sizes=SIZES * 4)
+    else:
+        path = archive
+    left, running, workers = kill_mid_epoch(path, case, os.fspath(tmp_path / "stderr.txt"))
+    assert len(workers) >= 2
+    assert left == [] and running == []
+
+
 # ---- the pool on its own ---------------------------------------------------------------------------------
 class _Info:
     def __init__(self, worker_id):
         self.id = worker_id
 
 
-def test_a_slot_that_must_grow_gets_a_new_file_and_the_old_name_goes(monkeypatch, tmp_path):
+def test_a_slot_that_must_grow_gets_new_memory_and_no_file_is_left(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: _Info(0))
     pool = BatchSlots(1, slots=1, directory=os.fspath(tmp_path))
     small = pool.take((8, 8))
     pool.end_batch()  # let go unsent: never written again
-    assert sorted(os.listdir(tmp_path)) == [f"{slots.PREFIX}{pool.token}-0-0-1"]
+    assert os.listdir(tmp_path) == []  # unlinked as soon as it was made: it goes with its last process
     big = pool.take((1 << 20,))
-    assert sorted(os.listdir(tmp_path)) == [f"{slots.PREFIX}{pool.token}-0-0-2"]
+    assert int(pool.generations[0, 0]) == 2 and os.listdir(tmp_path) == []
     assert big.untyped_storage().data_ptr() != small.untyped_storage().data_ptr()
     pool.close()
-    assert os.listdir(tmp_path) == []
 
 
-def test_a_received_batch_unlinks_its_slot_file_and_frees_the_slot_with_its_last_tensor(monkeypatch, tmp_path):
+def test_a_received_batch_maps_its_slot_and_frees_it_with_its_last_tensor(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: _Info(0))
     pool = BatchSlots(1, slots=2, directory=os.fspath(tmp_path))
     images = pool.take((4, 3, 5, 6))
     images.fill_(9)
     message = pool.hand_back((images, torch.arange(4)), "set.memmap")
     pool.end_batch()
-    assert len(os.listdir(tmp_path)) == 1 and int(pool.states[0, 0]) == SENT
+    assert os.listdir(tmp_path) == [] and int(pool.states[0, 0]) == SENT  # no file: the message carries the slot
     received, labels = pickle.loads(pickle.dumps(message))  # as the main process receives it
-    assert os.listdir(tmp_path) == []  # mapped: the memory lives on in the mappings only
     assert torch.all(received == 9) and labels.tolist() == [0, 1, 2, 3]
     assert labels.untyped_storage().data_ptr() == received.untyped_storage().data_ptr()
     del received
     assert int(pool.states[0, 0]) == SENT  # the labels still hold the batch
     del labels
     assert int(pool.states[0, 0]) == FREE
+
+
+def test_a_batch_left_empty_by_skipped_samples_arrives_empty(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: _Info(0))
+    pool = BatchSlots(1, slots=2, directory=os.fspath(tmp_path))
+    images = pool.take((4, 3, 5, 6))[torch.tensor([], dtype=torch.int64)]  # every sample left out
+    empty = (images, torch.zeros(0, dtype=torch.int64), ("skipped",), torch.from_numpy(np.array([], np.int64)))
+    message = pool.hand_back(empty, "set.memmap")
+    pool.end_batch()
+    received, labels, skipped, indices = pickle.loads(pickle.dumps(message))
+    assert (received.shape, received.dtype, labels.shape, skipped, indices.shape) == (
+        (0, 3, 5, 6), torch.uint8, (0,), ("skipped",), (0,))
+    pool.close()
 
 
 def test_a_slot_made_after_its_pool_closed_is_unlinked(monkeypatch, tmp_path):

@@ -27,6 +27,8 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Se
 import numpy as np
 import torch
 
+from .parent_watch import leave_with_parent
+
 
 class BatchPlan(NamedTuple):
     """One batch to make: its epoch, its number within the epoch, and its sample indices."""
@@ -374,5 +376,7 @@ class WorkerInit:
         self.seed, self.rank = seed, rank
 
     def __call__(self, worker_id: int) -> None:
-        """Give each worker distinct global RNG states before its first batch."""
+        """Give each worker distinct global RNG states before its first batch, and make it end with its
+        main process (``parent_watch``)."""
+        leave_with_parent()
         seed_globals(int(np.random.SeedSequence([self.seed, self.rank, worker_id, 0x5EED]).generate_state(1)[0]))
