@@ -10,10 +10,17 @@ What a test can ask of it:
 
 - ``require_query(name, value)``: every request must carry ``?name=value`` (a presigned URL's
   signature), else ``403``;
-- ``fault(kind, times, match="")``: the next ``times`` requests of a path containing ``match``
-  get ``"503"`` (a 503 answer, to a HEAD or a GET), ``"stall"`` (a GET: the headers, then no
-  byte until the server stops or ``stall_s`` pass) or ``"cut"`` (a GET: the headers of the
-  whole answer, half the body, then the connection closes);
+- ``fault(kind, times, match="", skip=0)``: the next ``times`` requests of a path containing
+  ``match`` (after ``skip`` of them answered as usual) get one of these faults:
+
+  - ``"503"``: a 503 answer, to a HEAD or a GET;
+  - ``"stall"`` (a GET): the headers, then no byte until the server stops or ``stall_s`` pass;
+  - ``"cut"`` (a GET): the headers of the whole answer, half the body, then the connection closes;
+  - ``"halfway"`` (a GET): half the body, then nothing until the server stops or ``stall_s`` pass;
+  - ``"drip"`` (a GET): a byte every ``drip_s`` seconds, which no stall timeout sees, until the
+    body is sent, the server stops or ``stall_s`` pass;
+  - ``"change"`` (a GET): half the body, then the file is rewritten in place (a byte of each half
+    flipped, the second 10 bytes before its end) and the rest of the body is the new content's;
 - ``send_length = False``: no ``Content-Length`` (a body then ends when the connection closes);
 - ``gets(match)``, ``faults``: the GETs answered for paths containing ``match``, the faults sent;
 - ``authorizations``: the ``Authorization`` header of each request (None where it had none).
@@ -28,11 +35,12 @@ import os
 import re
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Dict, List, Optional, Tuple
 from urllib.parse import parse_qs, unquote, urlsplit
 
-FAULT_KINDS = ("503", "stall", "cut")
+FAULT_KINDS = ("503", "stall", "cut", "halfway", "drip", "change")
 
 
 class HTTPFileServer(ThreadingHTTPServer):
@@ -44,6 +52,7 @@ class HTTPFileServer(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.root = os.path.realpath(root)
         self.stall_s, self.writable, self.send_length = stall_s, writable, True
+        self.drip_s = 0.05
         self.lock = threading.Lock()
         self.required: Optional[Tuple[str, str]] = None
         self.planned: List[Dict[str, object]] = []
@@ -67,12 +76,13 @@ class HTTPFileServer(ThreadingHTTPServer):
         with self.lock:
             self.required = (name, value)
 
-    def fault(self, kind: str, times: int = 1, match: str = "") -> None:
-        """The next ``times`` requests (GETs but for a 503) of a path with ``match`` in it get the fault ``kind``."""
+    def fault(self, kind: str, times: int = 1, match: str = "", skip: int = 0) -> None:
+        """The next ``times`` requests (GETs but for a 503) of a path with ``match`` in it, after ``skip``
+        of them, get the fault ``kind``."""
         if kind not in FAULT_KINDS:
             raise ValueError(f"no fault {kind!r}: one of {FAULT_KINDS}")
         with self.lock:
-            self.planned.append({"kind": kind, "times": times, "match": match})
+            self.planned.append({"kind": kind, "times": times, "match": match, "skip": skip})
 
     def gets(self, match: str = "") -> int:
         """GETs answered (a body or a fault) for paths that contain ``match``."""
@@ -83,6 +93,9 @@ class HTTPFileServer(ThreadingHTTPServer):
         with self.lock:
             for plan in self.planned:
                 if method == "HEAD" and plan["kind"] != "503":
+                    continue
+                if plan["match"] in path and int(plan["skip"]) > 0:  # type: ignore[call-overload]
+                    plan["skip"] = int(plan["skip"]) - 1  # type: ignore[call-overload]
                     continue
                 if plan["match"] in path and int(plan["times"]) > 0:  # type: ignore[call-overload]
                     plan["times"] = int(plan["times"]) - 1  # type: ignore[call-overload]
@@ -201,6 +214,20 @@ class _Handler(BaseHTTPRequestHandler):
             self.server.stopping.wait(self.server.stall_s)
             self.close_connection = True
             return
+        if fault == "change":
+            half = start + (end - start) // 2
+            self.wfile.write(data[start:half])
+            self.wfile.flush()
+            changed = bytearray(data)
+            for k in (len(data) // 4, len(data) - 10):  # a sample and, in a zip, its end record
+                changed[k] ^= 0xFF
+            with open(file, "r+b") as handle:
+                handle.write(changed)
+            self.wfile.write(bytes(changed[half:end]))
+            return
+        if fault in ("halfway", "drip"):
+            self.send_slowly(data[start:end], fault)
+            return
         if fault == "cut":
             self.wfile.write(data[start:start + (end - start) // 2])
             self.wfile.flush()
@@ -208,6 +235,21 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             return
         self.wfile.write(data[start:end])
+
+    def send_slowly(self, body: bytes, fault: str) -> None:
+        """Half ``body`` then nothing ("halfway"), or a byte every ``drip_s`` ("drip"); never past ``stall_s``."""
+        self.close_connection = True
+        if fault == "halfway":
+            self.wfile.write(body[: len(body) // 2])
+            self.wfile.flush()
+            self.server.stopping.wait(self.server.stall_s)
+            return
+        ends = time.monotonic() + self.server.stall_s
+        for k in range(len(body)):
+            if self.server.stopping.wait(self.server.drip_s) or time.monotonic() > ends:
+                return
+            self.wfile.write(body[k:k + 1])
+            self.wfile.flush()
 
     def plain(self, status: int, text: str, path: str) -> None:
         payload = text.encode()

@@ -118,6 +118,25 @@ def test_a_part_whose_etag_changed_is_refused_by_name(served, tmp_path):
             reader.read(2 * PER_PART)
 
 
+@pytest.mark.parametrize("what", ["a set's part", "one archive"])
+def test_an_object_that_changes_during_its_download_is_named_by_its_url_as_changed(what, served, local_sets,
+                                                                                    tmp_path):
+    server, url = served
+    if what == "one archive":
+        url = server.url("sets/train-00001.zip")
+    # one archive: its head is read first (to tell an archive from a set's index), then it is fetched
+    server.fault("change", times=1, match="train-00001.zip", skip=1 if what == "one archive" else 0)
+    cache = tmp_path / "cache"
+    with pytest.raises(RemoteChangedError) as caught:
+        with pf.open_archive(url, cache_dir=cache) as reader:
+            reader.read(PER_PART if what == "a set's part" else 0)
+    message = str(caught.value)
+    assert message.startswith(url.rsplit("/", 1)[0] + "/train-00001.zip")
+    assert "changed in the store while it was downloaded" in message
+    assert str(cache) not in message and "tmp-" not in message
+    assert server.faults == [("change", "/sets/train-00001.zip")]
+
+
 def test_a_stalled_body_fails_within_seconds_by_name(served, tmp_path, monkeypatch):
     server, url = served
     monkeypatch.setattr(remote_module, "ATTEMPTS", 3)
@@ -145,6 +164,42 @@ def test_a_try_past_its_deadline_is_retried_even_with_the_protocols_timeouts_off
         assert np.array_equal(reader.read(0), local.read(0))
     assert len(server.faults) == 2
     assert time.monotonic() - started < 15  # two deadlines of about 2 s each, not two 20-s stalls
+
+
+@pytest.mark.parametrize("kind", ["drip", "halfway"])
+def test_a_body_slower_than_the_floor_rate_fails_its_try_and_is_retried(kind, served, local_sets, tmp_path):
+    """A byte every 50 ms never trips a stall timeout (here 30 s), nor does half a body and then
+    nothing before it: the floor rate fails the try within its grace and the next try reads."""
+    server, url = served
+    server.fault(kind, times=1, match="train-00000.zip")
+    options = {"stall_timeout": 30, "min_rate": "64KiB", "rate_grace": 1}
+    with pf.open_archive(url, cache_dir=tmp_path / "cache", storage_options=options) as reader, \
+            pf.open_archive(local_sets["zip"]) as local:
+        assert np.array_equal(reader.read(0), local.read(0))
+    assert server.faults == [(kind, "/sets/train-00000.zip")]
+
+
+def test_a_body_that_keeps_dripping_fails_by_name_saying_it_was_too_slow(served, tmp_path, monkeypatch):
+    server, url = served
+    monkeypatch.setattr(remote_module, "ATTEMPTS", 2)
+    server.fault("drip", times=100, match="train-00000.zip")
+    options = {"stall_timeout": 30, "min_rate": 65536, "rate_grace": 1}
+    with pf.open_archive(url, cache_dir=tmp_path / "cache", storage_options=options) as reader:
+        with pytest.raises(RemoteUnavailableError, match=r"train-00000.zip.*too slow.*64.0 KiB/s") as caught:
+            reader.read(0)
+    assert "floor rate" in str(caught.value) and len(server.faults) == 2
+
+
+def test_the_floor_rate_comes_from_the_options_then_the_environment(monkeypatch):
+    monkeypatch.setenv("PF_MIN_RATE", "1MiB")
+    monkeypatch.setenv("PF_RATE_GRACE", "3")
+    assert Store().floor_rate == (1 << 20, 3) and Store({"min_rate": 0, "rate_grace": 0}).floor_rate == (0, 0)
+    monkeypatch.delenv("PF_MIN_RATE")
+    monkeypatch.delenv("PF_RATE_GRACE")
+    assert Store().floor_rate == (remote_module.MIN_RATE, remote_module.RATE_GRACE_S)
+    for bad in ({"min_rate": "fast"}, {"min_rate": -1}, {"rate_grace": "soon"}):
+        with pytest.raises(RemoteError, match="floor rate|rate grace"):
+            Store(bad)
 
 
 def test_the_stall_timeout_comes_from_the_options_then_the_environment(monkeypatch):

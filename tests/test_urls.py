@@ -10,6 +10,7 @@ import base64
 import json
 import pickle
 import random
+import re
 import socket
 import string
 import traceback
@@ -21,7 +22,7 @@ import packed_formats as pf
 from packed_formats import cli
 from packed_formats.errors import PackedFormatError, RemoteError
 from packed_formats.storage import remote as remote_module
-from packed_formats.storage.urls import RemoteURL, basename, clean_url, join, redact, request_url
+from packed_formats.storage.urls import _USERINFO_END, RemoteURL, basename, clean_url, join, redact, request_url
 from packed_formats.synthetic import make_image_folder
 
 from .http_server import HTTPFileServer
@@ -79,10 +80,13 @@ def test_a_random_secret_query_parameter_is_never_shown(rng):
         name, value = rng.choice(SECRET_PARAMETERS), draw(rng, QUERY_VALUE)
         url = f"https://store.example.com/b/train.zip?X-Amz-Expires=60&{name}={value}&x-id=GetObject"
         shown = f"https://store.example.com/b/train.zip?X-Amz-Expires=60&{name}=***&x-id=GetObject"
+        if _USERINFO_END.search(value + "&"):  # it may end a user-info: all before it is hidden too
+            shown = "https://***&x-id=GetObject"
         assert clean_url(url) == shown, failing(f"trial {trial}: {url!r}")
         assert redact(f"GET {url} failed") == f"GET {shown} failed", failing(f"trial {trial}: {url!r}")
         first = f"gs://bucket/train.zip?{name}={value}"
-        assert clean_url(first) == f"gs://bucket/train.zip?{name}=***", failing(f"trial {trial}: {first!r}")
+        hidden = "gs://***" if _USERINFO_END.search(value + " ") else f"gs://bucket/train.zip?{name}=***"
+        assert clean_url(first) == hidden, failing(f"trial {trial}: {first!r}")
 
 
 def test_a_secret_parameter_quoted_into_a_path_is_never_shown(rng):
@@ -97,6 +101,64 @@ def test_a_bucket_key_that_holds_at_is_shown_hidden_but_read_as_it_is():
     url = "s3://bucket/me@example.com/train.zip"
     assert clean_url(url) == "s3://***@example.com/train.zip"  # ambiguous: hidden
     assert request_url(url) == url
+
+
+AMBIGUOUS = [  # a secret that holds an '@' before a '/', or a '?' or '#': where it ends cannot be told
+    ("s3://AKIAEXAMPLE:wJalr@XUtnFEMI/K7MDENG+SeCr3t@bucket/set.zip", ["AKIAEXAMPLE", "wJalr", "XUtnFEMI", "SeCr3t"]),
+    ("s3://AKIAX:wJalr?XUtnFEMIsecret@bucket/set.zip", ["AKIAX", "wJalr", "XUtnFEMIsecret"]),
+    ("https://AKIAX:wJalr#XUtnFEMIsecret@h.example/set.zip", ["AKIAX", "wJalr", "XUtnFEMIsecret"]),
+    ("s3://AKIAX:wJ/alr?XUtnFEMIsecret@bucket/set.zip", ["AKIAX", "wJ", "alr", "XUtnFEMIsecret"]),
+]
+
+
+@pytest.mark.parametrize("url,secrets", AMBIGUOUS)
+def test_a_userinfo_that_cannot_be_told_apart_is_hidden_whole_and_refused(url, secrets):
+    shown = clean_url(url)
+    for text in (shown, redact(f"cannot read {url}: refused")):
+        assert "***@" in text and not any(s in text for s in secrets), text
+    with pytest.raises(RemoteError, match="storage_options") as refused:
+        RemoteURL(url)
+    assert not any(s in str(refused.value) for s in secrets) and "environment" in str(refused.value)
+    with pytest.raises(RemoteError):
+        request_url(url)
+
+
+def test_a_random_secret_with_at_question_mark_or_hash_is_never_shown_nor_sent_elsewhere(rng):
+    """Shown, it is hidden whole; sent, it is the user-info it is, or the URL is refused: never a host or key."""
+    for trial in range(TRIALS):
+        scheme = rng.choice(["s3", "gs", "https", "http"])
+        secret = draw(rng, USERINFO + "@?#" * 4)
+        url = f"{scheme}://AKIAUSER:{secret}@{HOSTS[scheme]}/data/train.zip"
+        assert_hidden(secret, clean_url(url), redact(f"cannot read {url}: refused"), note=f"trial {trial}: {url!r}")
+        try:
+            sent = request_url(url)
+        except RemoteError as refused:
+            assert_hidden(secret, str(refused), note=f"trial {trial}: {url!r}")
+            continue
+        if scheme.startswith("http"):
+            expected = f"{scheme}://AKIAUSER:{secret.replace('/', '%2F')}@{HOSTS[scheme]}/data/train.zip"
+        else:
+            expected = f"{scheme}://{HOSTS[scheme]}/data/train.zip"
+        assert sent == expected, failing(f"trial {trial}: {url!r}")
+
+
+def test_an_at_in_a_presigned_urls_query_value_is_no_userinfo():
+    url = ("https://storage.example.com/b/train.zip?GoogleAccessId=svc@proj.example.com&Expires=9"
+           "&Signature=abc%2Fd&owner=me@example.com")
+    assert request_url(url) == url
+    assert "abc%2Fd" not in clean_url(url)
+
+
+def test_a_url_whose_userinfo_cannot_be_told_apart_is_refused_before_any_request(tmp_path, closed_store, capsys):
+    """No retry ("the store is failing") for what is a permanent mistake in the URL, and no part of it printed."""
+    url = "s3://AKIAX:wJalr?XUtnFEMIsecret@bucket/set.zip"
+    with pytest.raises(RemoteError, match="storage_options") as refused:
+        pf.open_archive(url, cache_dir=tmp_path / "cache")
+    assert "failed" not in str(refused.value) and "XUtnFEMIsecret" not in str(refused.value)
+    for command in (["info", url], ["verify", url]):
+        assert cli.main(command) != 0
+        out, err = capsys.readouterr()
+        assert "storage_options" in out + err and "wJalr" not in out + err and "XUtnFEMI" not in out + err
 
 
 def test_a_url_without_secrets_is_shown_as_it_is():
@@ -118,7 +180,7 @@ def test_the_request_keeps_the_signature_and_http_credentials():
 def test_a_bucket_urls_credentials_are_left_out_of_the_request(rng):
     for trial in range(TRIALS):
         user, secret = draw(rng, USERINFO, 1, 20), draw(rng, USERINFO)
-        signature = draw(rng, QUERY_VALUE)
+        signature = draw(rng, QUERY_VALUE.replace("@", ""))  # '@host/' in a query could end a user-info: refused
         url = f"s3://{user}:{secret}@bucket/train.zip?versionId=3&X-Amz-Signature={signature}"
         assert request_url(url) == "s3://bucket/train.zip?versionId=3", failing(f"trial {trial}: {url!r}")
 
@@ -232,3 +294,38 @@ def test_the_command_line_never_prints_a_urls_credentials(rng, served_archive, c
                 assert "***" in out + err, failing(f"trial {trial}: {url!r}")
                 assert_hidden(secret, out, err, note=f"trial {trial}: {url!r}")
                 assert_hidden(signature, out, err, note=f"trial {trial}: {url!r}")
+
+
+# ---- the store libraries' own logs ---------------------------------------------------------------------
+def test_debug_logs_of_the_store_libraries_hold_no_credentials(served_archive, closed_store, tmp_path, monkeypatch,
+                                                               caplog):
+    """fsspec's, botocore's, aiohttp's and urllib3's loggers write requests, headers and signatures at
+    DEBUG: what they write reaches every handler with the credentials hidden."""
+    import logging
+
+    secret, token, signature = "pa55w0rd/Secret+1", "SESSIONTOKENsecret42", "SIGNATUREsecret77"
+    monkeypatch.setenv("AWS_SESSION_TOKEN", token)
+    caplog.set_level(logging.DEBUG)
+    read = f"http://reader:{secret}@127.0.0.1:{served_archive.port}/one.zip?X-Amz-Signature={signature}"
+    with pf.open_archive(read, cache_dir=tmp_path / "cache") as archive:
+        assert len(archive) == 12
+    with pytest.raises(PackedFormatError):
+        pf.open_archive(f"s3://bucket/one.zip?X-Amz-Signature={signature}", cache_dir=tmp_path / "cache")
+    libraries = [r for r in caplog.records if r.name.split(".")[0] in ("fsspec", "botocore", "aiobotocore", "s3fs",
+                                                                       "aiohttp", "urllib3")]
+    assert any(r.name.startswith("botocore") for r in libraries)  # they did write
+    text = "\n".join(caplog.handler.format(r) for r in caplog.records)
+    basic = base64.b64encode(f"reader:{secret}".encode()).decode()
+    for hidden in (secret, quote(secret, safe=""), token, signature, basic, "Credential=testing"):
+        assert hidden not in text, hidden
+    assert not re.search(r"Signature[=:]\s*[0-9a-f]{64}", text)
+
+
+def test_a_long_text_is_redacted_in_one_pass():
+    """A debug record can be a whole listing or response: redaction is linear in it (a scheme's, a name's
+    run of letters is bounded), where an unbounded one took minutes on a run of letters or of "x-"."""
+    from packed_formats.storage.logs import redact_log
+
+    for text in ("a" * 200_000, "x-" * 100_000, "?" + "key" * 70_000, "'token': '" + "\\" * 50_000):
+        assert redact_log(text).startswith(text[:8])
+    assert redact_log("s3://b/x?" + "sig=a&" * 20_000).count("sig=***") == 20_000

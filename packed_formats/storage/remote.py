@@ -13,7 +13,11 @@ A read that receives no byte for ``stall_timeout`` seconds (60 by default; the s
 ``storage_options={"stall_timeout": 5}`` or the environment's ``PF_STALL_TIMEOUT``) fails that
 try, and is retried like the others; so does a try still unfinished after the stall timeout once, then
 once more per request it makes and per MiB it moves (``_deadline``): a request that waits on nothing that ever comes (a
-connection pool, a third-party coroutine) fails and is retried instead of hanging the job.
+connection pool, a third-party coroutine) fails and is retried instead of hanging the job.  A try that moves bytes
+must also keep to a floor rate: done within ``rate_grace`` seconds (10) plus its bytes at ``min_rate`` (64 KiB/s), so
+a body that drips a byte at a time, which no stall timeout sees, fails that try and is retried like a stall
+(``storage_options={"min_rate": "1MiB", "rate_grace": 5}``, or ``PF_MIN_RATE`` and ``PF_RATE_GRACE``; a
+``min_rate`` of 0 turns the floor off).
 
 Requests go to the URL as given (``urls.request_url``: a presigned URL keeps its signature);
 errors, logs and records name it as shown (``urls.clean_url``: no credentials).
@@ -44,6 +48,9 @@ from ..errors import (
     RemoteNotFoundError,
     RemoteUnavailableError,
 )
+from ..space import human_bytes
+from .cache import parse_size
+from .logs import hide_secrets_in_logs
 from .urls import HTTP_SCHEMES, basename, clean_url, filesystem, http_authorization, redact, request_url
 
 T = TypeVar("T")
@@ -54,6 +61,9 @@ ATTEMPTS = int(os.environ.get("PF_REMOTE_ATTEMPTS", "5"))  # tries of one reques
 BACKOFF_S = 0.1  # the first retry's wait; doubled each time, up to MAX_BACKOFF_S, with jitter
 MAX_BACKOFF_S = 8.0
 STALL_TIMEOUT_S = 60.0  # a read that receives no byte for this long fails (one try; then retried)
+MIN_RATE = 64 << 10  # bytes/s: a try that moves bytes slower than this (after RATE_GRACE_S) fails
+RATE_GRACE_S = 10.0  # seconds a try has before the floor rate counts (connecting, the first byte)
+_PACE_OPTIONS = ("stall_timeout", "min_rate", "rate_grace")  # ours: never given to fsspec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,15 +145,27 @@ def _http_status(exc: BaseException) -> Optional[int]:
     return None
 
 
-# the stall timeout of the Store whose call runs (set by Store.run, seen by every task of the call)
+# the stall timeout and floor rate (bytes/s, grace seconds) of the Store whose call runs (set by Store.run,
+# seen by every task of the call)
 _STALL_S: "contextvars.ContextVar[float]" = contextvars.ContextVar("stall_timeout", default=STALL_TIMEOUT_S)
+_FLOOR: "contextvars.ContextVar[Tuple[float, float]]" = contextvars.ContextVar("floor_rate",
+                                                                              default=(MIN_RATE, RATE_GRACE_S))
 
 
-def _deadline(nbytes: int = 0, requests: int = 1) -> float:
-    """Seconds one try may take in all: the stall timeout once, then once more per request it makes and
-    per MiB it moves (a link slower than a MiB a stall timeout is as good as stalled).  The protocol's own
-    stall timeouts come first; this bounds what they do not cover."""
-    return _STALL_S.get() * (1 + requests + nbytes / (1 << 20))
+def _deadline(nbytes: int = 0, requests: int = 1) -> Tuple[float, str]:
+    """(seconds one try may take in all, what that limit is, for the error).  The stall timeout once,
+    then once more per request it makes and per MiB it moves (a link slower than a MiB a stall timeout is
+    as good as stalled); a try that moves bytes, at most the rate grace plus its bytes at the floor rate
+    (a body that drips never stalls).  The protocol's own stall timeouts come first; this bounds what
+    they do not cover."""
+    seconds = _STALL_S.get() * (1 + requests + nbytes / (1 << 20))
+    why = "no answer within {:.0f} s (the stall timeout once, then per request and per MiB)"
+    rate, grace = _FLOOR.get()
+    if nbytes > 0 and rate > 0 and grace + nbytes / rate < seconds:
+        seconds = grace + nbytes / rate
+        why = (f"too slow: {human_bytes(nbytes)} not moved within {{:.1f}} s ({grace:g} s to start, then the "
+               f"floor rate of {human_bytes(rate)}/s)")
+    return seconds, why.format(seconds)
 
 
 class _Overdue(Exception):
@@ -173,11 +195,11 @@ async def _retrying(url: str, attempt: Callable[[], Awaitable[T]], what: str, nb
     outlasts ``_deadline(nbytes, requests)`` is a transient failure."""
     last = ""
     for k in range(ATTEMPTS):
-        deadline = _deadline(nbytes, requests)
+        deadline, overdue = _deadline(nbytes, requests)
         try:
             return await _within(attempt(), deadline)
         except _Overdue:
-            last = f"no answer within {deadline:.0f} s (the stall timeout once, then per request and per MiB)"
+            last = overdue
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - every failure is classified
@@ -201,6 +223,20 @@ class _PooledLoop:
         self.loop = asyncio.new_event_loop()
         self.filesystems: Dict[Any, Any] = {}
         self.sessions: List[Any] = []
+
+    def settle(self) -> None:
+        """Cancel the tasks a call left on this loop (a gather's others, when one of them failed) and let
+        them end (a second at most, as ``_within`` waits): none runs in a later call, and none is destroyed
+        pending, with a traceback, when the process exits."""
+        left = asyncio.all_tasks(self.loop)
+        if not left:
+            return
+        for task in left:
+            task.cancel()
+        self.loop.run_until_complete(asyncio.wait(left, timeout=1.0))
+        for task in left:
+            if task.done() and not task.cancelled():
+                task.exception()  # retrieved: an error it ended with is no news after the call's own
 
     async def _close_sessions(self) -> None:
         for session in self.sessions:
@@ -242,6 +278,7 @@ class _LoopPool:
         try:
             return pooled.loop.run_until_complete(main(pooled))
         finally:
+            pooled.settle()
             with self.lock:
                 if self.pid == os.getpid():
                     self.idle.append(pooled)
@@ -260,6 +297,7 @@ class _LoopPool:
 
 
 _POOL = _LoopPool()
+hide_secrets_in_logs()  # what fsspec, botocore, aiohttp and urllib3 log at DEBUG: requests, headers, signatures
 os.register_at_fork(after_in_child=_POOL.forget)
 atexit.register(_POOL.close)
 
@@ -293,6 +331,31 @@ def stall_timeout(storage_options: Optional[Dict[str, Any]] = None) -> float:
     return seconds
 
 
+def floor_rate(storage_options: Optional[Dict[str, Any]] = None) -> Tuple[float, float]:
+    """(bytes per second a try that moves bytes must keep to, seconds before it counts):
+    ``storage_options["min_rate"]`` (bytes, or a size such as "64KiB"; 0 for no floor) and
+    ``["rate_grace"]``, else the environment's ``PF_MIN_RATE`` and ``PF_RATE_GRACE``, else MIN_RATE and
+    RATE_GRACE_S (RemoteError if one is not a number of the kind)."""
+    options = storage_options or {}
+    given_rate = options.get("min_rate", os.environ.get("PF_MIN_RATE", MIN_RATE))
+    given_grace = options.get("rate_grace", os.environ.get("PF_RATE_GRACE", RATE_GRACE_S))
+    try:
+        rate = 0.0 if given_rate in (0, "0") else float(parse_size(given_rate, "min_rate") or 0)
+    except (TypeError, ValueError):
+        rate = -1.0
+    try:
+        grace = float(given_grace)
+    except (TypeError, ValueError):
+        grace = -1.0
+    if not rate >= 0:
+        raise RemoteError(None, f"the floor rate must be a size per second (0 for none), not {given_rate!r}",
+                          hint='set storage_options={"min_rate": "64KiB"} or PF_MIN_RATE=64KiB')
+    if not grace >= 0:
+        raise RemoteError(None, f"the rate grace must be a number of seconds, not {given_grace!r}",
+                          hint='set storage_options={"rate_grace": 10} or PF_RATE_GRACE=10')
+    return rate, grace
+
+
 def _with_timeouts(scheme: str, options: Dict[str, Any], seconds: float) -> Dict[str, Any]:
     """The file system's options with the stall timeout as the protocol's own connect and read
     timeouts (an option the caller gave wins)."""
@@ -322,11 +385,13 @@ class Store:
 
     A URL given to its methods is sent as ``request_url`` makes it (a ``RemoteURL`` sends the URL it
     was made from: a presigned URL keeps its signature) and named in errors as ``clean_url`` shows it.
-    ``storage_options`` go to fsspec, but for ``stall_timeout`` (seconds, see ``stall_timeout``)."""
+    ``storage_options`` go to fsspec, but for ``stall_timeout`` (seconds, see ``stall_timeout``),
+    ``min_rate`` and ``rate_grace`` (the floor rate, see ``floor_rate``)."""
 
     def __init__(self, storage_options: Optional[Dict[str, Any]] = None) -> None:
         self.storage_options = dict(storage_options or {})
         self.stall_timeout = stall_timeout(self.storage_options)
+        self.floor_rate = floor_rate(self.storage_options)
 
     def run(self, url: str, body: Callable[[Any, str], Awaitable[T]]) -> T:
         """``body(fs, path)`` on an event loop of this process's idle ones (``_LoopPool``), with the file
@@ -335,7 +400,7 @@ class Store:
         ``path`` is the path of ``url``'s request in ``fs``."""
         request, authorization = http_authorization(request_url(url))
         scheme = request.split("://", 1)[0]
-        options = {k: v for k, v in self.storage_options.items() if k != "stall_timeout"}
+        options = {k: v for k, v in self.storage_options.items() if k not in _PACE_OPTIONS}
         if authorization is not None:  # the URL's own credentials, as the bytes it holds
             options["headers"] = dict(options.get("headers") or {}, Authorization=authorization)
         options = dict(_with_timeouts(scheme, options, self.stall_timeout), asynchronous=True,
@@ -348,6 +413,7 @@ class Store:
 
         async def main(loop: "_PooledLoop") -> T:
             _STALL_S.set(self.stall_timeout)  # this call's context: its tasks (gather's) copy it
+            _FLOOR.set(self.floor_rate)
             fs = loop.filesystems.get(key)
             if fs is None:
                 fs, _ = filesystem(request, options)
@@ -371,6 +437,7 @@ class Store:
         shown = clean_url(url)
 
         async def body(fs: Any, path: str) -> ObjectInfo:
+            fs.invalidate_cache(path)  # the store's answer now, not a listing's from before
             details = await ainfo(fs, path, shown)
             if details.get("type") == "directory":
                 raise RemoteNotFoundError(shown, "a directory (prefix), not an object")
@@ -522,6 +589,7 @@ async def aread(fs: Any, path: str, url: str, start: int, end: int) -> bytes:
 
 
 async def _expect(fs: Any, path: str, url: str, expected: ObjectInfo) -> None:
+    fs.invalidate_cache(path)  # asked of the store, not of a listing this file system keeps from before
     now = object_info(await ainfo(fs, path, url))
     if (now.size, now.etag) != (expected.size, expected.etag):
         raise RemoteChangedError(
