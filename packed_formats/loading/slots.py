@@ -5,15 +5,17 @@ per tensor (a connection to the worker's resource sharer, a new mapping each
 time): ~5 ms a batch on the main process's side, where it limits every worker
 count.  Here each worker writes its batch (images, then labels and indices
 after them) into one of a few shared-memory files of its own in ``/dev/shm``
-(a *slot*), named by the loader's token, the worker, the slot and the slot's
-generation (renewed when it must grow).  What travels through torch's queue is
-a small message: which slots, and where each tensor lies in them.  The main
-process maps a slot's file the first time a message names it, unlinks the file
-(the memory lives on in the two mappings; nothing is left in ``/dev/shm`` if a
-process is killed) and keeps its mapping while the worker uses the slot:
-persistent workers' slots for the loader's life, fresh workers' for their
-epoch (each new worker process makes its slots anew).  The tensors it hands on
-are views of the mapping.
+(a *slot*; a new generation of it when it must grow).  The worker unlinks each
+file as soon as it has made and mapped it: the memory lives on only in the
+processes that map it (or hold its descriptor), so nothing is left in
+``/dev/shm`` whichever process is killed, and when.  The first batch sent in a
+slot's generation carries its descriptor (``multiprocessing``'s resource
+sharer: once per slot, never per batch); otherwise what travels through
+torch's queue is a small message: which slots, and where each tensor lies in
+them.  The main process maps a slot the first time a message names it and
+keeps its mapping while the worker uses the slot: persistent workers' slots
+for the loader's life, fresh workers' for their epoch (each new worker process
+makes its slots anew).  The tensors it hands on are views of the mapping.
 
 A slot goes back to its worker when the user drops every tensor of the batch:
 each batch's tensors share one storage over a fresh numpy view of the
@@ -24,9 +26,8 @@ ordinary way.  On CUDA the main process can register each mapping once as
 pinned memory (``cudaHostRegister``), so that batches are copied to the GPU
 straight from the slot, with no pin-memory thread and no host copy.
 
-Files not mapped yet (a worker stopped before its batch arrived) are unlinked
-when their pool goes (with its loader) or at interpreter exit; ``reclaim``
-frees the slots of batches that were lost with workers that stopped.
+A slot whose batch never arrived (its worker stopped first) goes with that
+worker; ``reclaim`` frees the slots of batches that were lost so.
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ import threading
 import uuid
 import warnings
 import weakref
+from multiprocessing import ProcessError
 from multiprocessing.reduction import ForkingPickler
+from multiprocessing.resource_sharer import DupFd
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
@@ -58,8 +61,9 @@ PAGE = mmap.PAGESIZE
 PREFIX = "packed_formats-"
 CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
 
-# (slot, generation, capacity) of each slot a message uses
-SlotUse = Tuple[int, int, int]
+# (slot, generation, capacity, its descriptor with the generation's first batch, else None) of each slot a
+# message uses
+SlotUse = Tuple[int, int, int, Optional[DupFd]]
 
 
 def available(directory: str = SHARED_DIRECTORY) -> bool:
@@ -102,7 +106,7 @@ class BatchSlots:
         min_bytes: smaller results are not given a slot of their own (they still
             travel in the tail of the batch's slot, or in the message).
         path: the archive, to name in errors.
-        directory: where the slot files are made (a tmpfs: ``/dev/shm``).
+        directory: where the slot files are made, and at once unlinked (a tmpfs: ``/dev/shm``).
     """
 
     def __init__(self, workers: int, slots: int = SLOTS_PER_WORKER, min_bytes: int = 0, path: str = "",
@@ -113,7 +117,7 @@ class BatchSlots:
         shape = (max(1, workers), slots)
         self.states = torch.zeros(shape, dtype=torch.uint8).share_memory_()
         self.generations = torch.zeros(shape, dtype=torch.int64).share_memory_()
-        self.closing = torch.zeros(1, dtype=torch.uint8).share_memory_()  # set once the main process sweeps
+        self.closing = torch.zeros(1, dtype=torch.uint8).share_memory_()  # set once the main process leaves
         self._local = ProcessLocal(_WorkerSlots)  # a worker's mappings: made on first use in each process
         self.receiver: Optional[Receiver] = Receiver(self.token, directory, self.states, self.closing, path)
         _RECEIVERS[self.token] = self.receiver
@@ -145,8 +149,8 @@ class BatchSlots:
         return 0 if self.receiver is None else self.receiver.reclaim()
 
     def close(self) -> None:
-        """Unlink every slot file of this pool and drop the main process's mappings (batches still used
-        keep their memory until they go).  Done when the pool goes; a worker must not run meanwhile."""
+        """Drop the main process's mappings (batches still used keep their memory until they go) and
+        sweep any slot file left of this pool.  Done when the pool goes; a worker must not run meanwhile."""
         if self.receiver is not None:
             self.receiver.close()
 
@@ -182,22 +186,17 @@ class BatchSlots:
         return _typed(raw, layout, dtype, shape)
 
     def _renew(self, local: "_WorkerSlots", worker: int, slot: int, capacity: int) -> None:
-        """Give the slot a new generation's file of ``capacity`` bytes; the old file's name goes (whoever
-        maps it keeps its memory)."""
-        old = int(self.generations[worker, slot])
+        """Give the slot a new generation: memory of ``capacity`` bytes (whoever maps the old one keeps it)."""
         local.forget(slot)
-        generation = old + 1
-        name = slot_file(self.directory, self.token, worker, slot, generation)
+        generation = int(self.generations[worker, slot]) + 1
         try:
-            local.open(slot, name, generation, capacity, create=True)
+            local.make(slot, slot_file(self.directory, self.token, worker, slot, generation), generation, capacity)
         except OSError as exc:
             raise self._slot_error(exc, capacity) from None
-        if self.closing[0]:  # the main process swept the files already (it is leaving): this one goes too
-            _unlink(name)
+        if self.closing[0]:  # the main process is leaving: no batch is received any more
+            local.forget(slot)
             raise PackedFormatError(self.path, "the loader's batch slots were closed while a worker ran")
         self.generations[worker, slot] = generation
-        if old:
-            _unlink(slot_file(self.directory, self.token, worker, slot, old))
 
     def _slot_error(self, exc: OSError, capacity: int) -> PackedFormatError:
         if TooManyOpenFilesError.describes(exc):
@@ -232,11 +231,17 @@ class BatchSlots:
             return buffer.getvalue()
 
         payload = pickled(path, dump)
-        slots = [(s, local.generation[s], local.capacity(self, worker, s)) for s in used]
+        slots = [(s, local.generation[s], local.capacity(self, worker, s), self._handover(local, s)) for s in used]
         for s in used:  # sent: the main process frees it
             self.states[worker, s] = SENT
             local.reserved.discard(s)
         return SlotBatch(self.token, worker, slots, payload)
+
+    def _handover(self, local: "_WorkerSlots", slot: int) -> Optional[DupFd]:
+        try:
+            return local.handover(slot)
+        except OSError as exc:  # no descriptor left to copy, or no socket for the resource sharer
+            raise self._slot_error(exc, int(local.raw[slot].numel())) from None
 
     def end_batch(self) -> None:
         """Close this batch: slots it took but did not send are let go, not written again."""
@@ -258,49 +263,49 @@ class _WorkerSlots:
         self.reserved: Set[int] = set()
         self.tails: Dict[int, int] = {}  # slot -> where the next tensor of this batch may go
         self.stale: Set[int] = set()  # let go: renewed before any further use
+        self.fds: Dict[int, int] = {}  # slot -> its descriptor, until the first batch sent in it carries it
 
     def capacity(self, pool: BatchSlots, worker: int, slot: int) -> int:
-        """The slot's size in bytes (0 before it has a file, or once let go).  A worker started after
-        others of its number (fresh workers each epoch) maps the file they left, where the main process
-        has not mapped (and unlinked) it yet."""
-        if slot in self.stale:
+        """The slot's size in bytes: 0 before this process made it, once let go, or when another
+        process of this worker's number (fresh workers of an earlier epoch) made its current generation."""
+        if slot in self.stale or self.generation.get(slot) != int(pool.generations[worker, slot]):
             return 0
-        generation = int(pool.generations[worker, slot])
-        if generation and self.generation.get(slot) != generation:
-            self.forget(slot)
-            try:
-                self.open(slot, slot_file(pool.directory, pool.token, worker, slot, generation), generation, 0,
-                          create=False)
-            except OSError:
-                return 0
         raw = self.raw.get(slot)
         return 0 if raw is None else raw.numel()
 
-    def open(self, slot: int, name: str, generation: int, capacity: int, create: bool) -> None:
-        """Map the slot's file (made ``capacity`` bytes long first when ``create``)."""
-        if create:
-            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        else:
-            fd = os.open(name, os.O_RDWR)
+    def make(self, slot: int, name: str, generation: int, capacity: int) -> None:
+        """Make the slot's memory: a file ``capacity`` bytes long, mapped, unlinked at once (no name is
+        left to outlive the processes that use it), its descriptor kept for the main process."""
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            if create:
-                os.posix_fallocate(fd, 0, capacity)  # a full tmpfs fails here, not with SIGBUS on a write
-            else:
-                capacity = os.fstat(fd).st_size
+            os.unlink(name)
+            os.posix_fallocate(fd, 0, capacity)  # a full tmpfs fails here, not with SIGBUS on a write
             mapping = mmap.mmap(fd, capacity)
         except BaseException:
-            if create:
-                _unlink(name)
-            raise
-        finally:
             os.close(fd)
+            raise
+        self.fds[slot] = fd
         self.raw[slot] = torch.from_numpy(np.frombuffer(mapping, dtype=np.uint8))
         self.generation[slot] = generation
         self.stale.discard(slot)
 
+    def handover(self, slot: int) -> Optional[DupFd]:
+        """The slot's descriptor, for the main process to take with the first batch sent in it (None
+        after that): a copy held by this process's resource sharer until it is taken."""
+        fd = self.fds.pop(slot, None)
+        if fd is None:
+            return None
+        try:
+            return DupFd(fd)
+        finally:
+            os.close(fd)
+
     def forget(self, slot: int) -> None:
         self.raw.pop(slot, None)
         self.generation.pop(slot, None)
+        fd = self.fds.pop(slot, None)
+        if fd is not None:  # never sent: nobody else holds this memory
+            os.close(fd)
 
     def slot_of(self, tensor: torch.Tensor) -> Optional[int]:
         """The slot this batch took that ``tensor`` lies in, if any."""
@@ -328,6 +333,8 @@ class _SlotPickler(ForkingPickler):
         if slot is None:
             if obj.numel() and obj.numel() * obj.element_size() > INLINE_MAX:
                 return None  # no free slot left: the ordinary way (a fresh shared buffer)
+            if not obj.numel():  # a batch whose samples were all skipped: its shape alone (an empty
+                return ("value", obj.dtype, tuple(obj.shape), b"")  # tensor's stride may not view as bytes)
             return ("value", obj.dtype, tuple(obj.shape), obj.contiguous().reshape(-1).view(torch.uint8).numpy()
                     .tobytes())
         place = self.used.setdefault(slot, len(self.used))
@@ -410,7 +417,7 @@ class Receiver:
         self.held = np.zeros(self.states.shape, dtype=np.int64)  # batches in this process per slot
         self.lock = threading.RLock()
         self.maps: Dict[Tuple[int, int], _Mapping] = {}
-        self.mapped = 0  # slot files mapped so far (what a test counts)
+        self.mapped = 0  # slots mapped so far (what a test counts)
         self.cuda: Optional[torch.device] = None
         self.closed = False
 
@@ -420,31 +427,37 @@ class Receiver:
             if self.closed:
                 raise PackedFormatError(self.path, "a batch arrived after its loader's batch slots were closed")
             storages = []
-            for slot, generation, capacity in slots:
-                view = self._mapping(worker, slot, generation, capacity)[:capacity]  # this batch's own view
+            for slot, generation, capacity, handover in slots:
+                view = self._mapping(worker, slot, generation, capacity, handover)[:capacity]  # this batch's own
                 self.held[worker, slot] += 1
                 weakref.finalize(view, _free, self.states, self.held, self.lock, worker, slot)
                 storages.append(torch.from_numpy(view).untyped_storage())
         return _SlotUnpickler(io.BytesIO(payload), storages).load()
 
-    def _mapping(self, worker: int, slot: int, generation: int, capacity: int) -> np.ndarray:
+    def _mapping(self, worker: int, slot: int, generation: int, capacity: int, handover: Optional[DupFd]
+                 ) -> np.ndarray:
         known = self.maps.get((worker, slot))
         if known is not None and known.generation == generation:
             return known.array
+        where = f"DataLoader worker {worker}'s batch slot {slot} (generation {generation})"
+        if handover is None:
+            raise PackedFormatError(self.path, f"{where} arrived without its memory's descriptor",
+                                    hint="receive the batches of make_loader's workers through the PackedLoader "
+                                         "it returns, each once")
         if known is not None:  # the worker renewed the slot: the old generation is used by nothing now
             self._let_go(known)
-        name = slot_file(self.directory, self.token, worker, slot, generation)
         try:
-            fd = os.open(name, os.O_RDWR)
+            fd = handover.detach()  # from the worker's resource sharer, once per slot
             try:
+                if os.fstat(fd).st_size < capacity:  # a mapping past its end would kill this process at a read
+                    raise OSError(errno.EINVAL, f"its memory is smaller than the {capacity} bytes the batch names")
                 array = np.frombuffer(mmap.mmap(fd, capacity), dtype=np.uint8)
             finally:
                 os.close(fd)
-            os.unlink(name)  # mapped: the memory lives on with the mappings, no file is left if this process dies
-        except OSError as exc:
+        except (OSError, EOFError, ProcessError) as exc:  # the worker gone, or its sharer refusing us
             raise PackedFormatError(
-                self.path, f"cannot map DataLoader worker {worker}'s batch slot {name}: {exc}",
-                hint=f"something removed files from {self.directory} while the loader ran") from None
+                self.path, f"cannot map {where}: {type(exc).__name__}: {exc}",
+                hint="the worker may have stopped while its batch was on the way: start the pass again") from None
         registered = self.cuda is not None and _register(array, self.cuda)
         self.maps[(worker, slot)] = _Mapping(generation, array, registered)
         self.mapped += 1
@@ -462,7 +475,8 @@ class Receiver:
             return int(lost.sum())
 
     def close(self) -> None:
-        """Unlink this pool's files and drop the mappings (batches still in use keep theirs)."""
+        """Drop the mappings (batches still in use keep theirs) and sweep any file a worker had not
+        unlinked yet (one killed between making and unlinking it)."""
         if os.getpid() != self.owner:  # a forked worker's inherited copy: not its to clean up
             return
         self.closing[0] = 1
