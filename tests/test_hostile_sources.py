@@ -239,3 +239,37 @@ def test_a_member_tar_found_twice_reads_as_the_last_one_and_only_its_members(tmp
             keys = [source.key(i) for i in range(len(source))]
     assert len(member_warnings(caught)) == 1 and "'boxes.tar'" in member_warnings(caught)[0]
     assert len(keys) == N and "boxes/old.jpg" not in keys
+
+
+# ---- the Hub importer: files that are no regular file ------------------------------------------------------
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+@pytest.mark.parametrize("where", ["image", "card", "shard", "state", "arrow"])
+def test_a_fifo_in_a_hub_folder_is_refused_not_opened_for_good(tmp_path, image_folder, where):
+    """A FIFO (or a folder) where a file is read: reading one waits for a writer that never comes."""
+    pytest.importorskip("pyarrow")
+    from .test_hub_sources import bad_rows, sample_rows, write_hub, write_saved
+
+    src = tmp_path / "dataset"
+    if where == "image":
+        files = write_hub(src, bad_rows(image_folder, 17, image=(None, "pipe.jpg")))
+        os.mkfifo(src / "pipe.jpg")
+        with open_source(src) as source:
+            with pytest.raises(pf.CorruptSampleError, match=r"'pipe.jpg' cannot be read: .*not a regular file") \
+                    as error:
+                source.load(17)
+        assert f"{files[2]}:row 1" in str(error.value)
+        summary = convert(src, tmp_path / "out.zip", workers=1, on_error="skip", quiet=True)
+        assert summary.samples == N - 1 and "pipe.jpg" in summary.failed[0]
+        return
+    if where in ("state", "arrow"):
+        files = write_saved(src / "train", sample_rows(image_folder), files=1)
+        (src / "dataset_dict.json").write_text('{"splits": ["train"]}')
+        named = src / "train" / "state.json" if where == "state" else files[0]
+    else:
+        files = write_hub(src, sample_rows(image_folder))
+        named = src / "README.md" if where == "card" else files[1]
+    os.unlink(named)
+    os.mkfifo(named)
+    with pytest.raises(pf.PackedFormatError, match="not a regular file") as error:
+        open_source(src)
+    assert str(named) in str(error.value)

@@ -128,6 +128,53 @@ def test_any_number_of_workers_writes_the_same_archive(tmp_path, image_folder, l
     assert (tmp_path / "one.zip").read_bytes() == (tmp_path / "three.zip").read_bytes()
 
 
+@pytest.mark.slow
+def test_each_row_group_is_read_by_one_worker(tmp_path, image_folder, monkeypatch):
+    """Workers are handed whole row groups: none reads a group another worker reads too (with chunks cut
+    across groups, every worker read nearly every group: the parquet import's cost at photo sizes)."""
+    from packed_formats.sources.hub import ParquetSource
+
+    src, log = tmp_path / "dataset", tmp_path / "reads.log"
+    write_hub(src, sample_rows(image_folder), shards=2, row_group_size=4)
+    read = ParquetSource._read
+
+    def logged(self, g, local):  # the real read, with which process read which group written down
+        with open(log, "a") as file:
+            file.write(f"{os.getpid()} {g}\n")
+        return read(self, g, local)
+
+    monkeypatch.setattr(ParquetSource, "_read", logged)
+    convert(src, tmp_path / "two.zip", workers=2, quiet=True)
+    readers = {}
+    for line in log.read_text().splitlines():
+        pid, group = line.split()
+        if int(pid) != os.getpid():  # the main process reads a few samples to size the output
+            readers.setdefault(int(group), set()).add(pid)
+    assert len(readers) == 6 and all(len(pids) == 1 for pids in readers.values()), readers
+    convert(src, tmp_path / "one.zip", workers=1, quiet=True)
+    assert (tmp_path / "one.zip").read_bytes() == (tmp_path / "two.zip").read_bytes()
+
+
+@pytest.mark.slow
+def test_a_parts_task_hands_out_its_own_slice_of_the_row_groups(tmp_path, image_folder):
+    from packed_formats.writing.parts import SourceRange
+
+    src = tmp_path / "dataset"
+    write_hub(src, sample_rows(image_folder), shards=2, row_group_size=4)  # groups start at rows 0, 4, ... 20
+    with open_source(src) as source:
+        assert source.runs().tolist() == [0, 4, 8, 12, 16, 20]
+        assert SourceRange(source, 6, 19).runs().tolist() == [0, 2, 6, 10]  # rows 6-7, 8-11, 12-15, 16-18
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    convert(src, tmp_path / "one" / "set.zip", shard_size=5, workers=1, quiet=True)
+    for i in range(2):
+        convert(src, tmp_path / "two" / "set.zip", shard_size=5, workers=2, quiet=True, part=(i, 2))
+    made = sorted(os.listdir(tmp_path / "one"))
+    assert made == sorted(n for n in os.listdir(tmp_path / "two") if not n.startswith("."))  # parts and index
+    for name in made:
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
+
+
 def test_one_parquet_file_and_one_arrow_file_are_read_alone(tmp_path, image_folder):
     rows = sample_rows(image_folder)
     [parquet] = write_hub(tmp_path / "hub", rows, shards=1)
@@ -377,3 +424,206 @@ def test_info_describes_a_hub_folder(tmp_path, image_folder, capsys):
     out = capsys.readouterr().out
     assert "parquet" in out and "images 'image', labels 'label'" in out
 
+
+# ---- classes the card or the label values make -----------------------------------------------------------
+def plain_parquet(path, rows, labels=None, **columns):
+    """One parquet file of ``rows`` with no features (the classes come from the label values), ``labels``
+    instead of the rows' labels, and further ``columns``."""
+    table = image_table(rows, extra=columns).replace_schema_metadata(None)
+    if labels is not None:
+        table = table.set_column(1, "label", labels)
+    pq.write_table(table, path, row_group_size=5)
+    return path
+
+
+@pytest.mark.parametrize("label", [10**12, 5000, "1000000000000"], ids=["huge", "an-id", "huge-text"])
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_classes_made_from_the_label_values_are_bounded(tmp_path, image_folder, label, on_error):
+    rows = bad_rows(image_folder, 7, label=0 if isinstance(label, str) else label)
+    labels = pa.array([label if r == 7 else str(y) for r, (_, _, y) in enumerate(rows)]) \
+        if isinstance(label, str) else None
+    path = plain_parquet(tmp_path / "x.parquet", rows, labels=labels)
+    with pytest.raises(pf.InvalidSourceError, match=rf"x.parquet:row 7, column 'label'.*label {label}.*"
+                                                    rf"{int(label) + 1} classes.*more than the {N} rows") as error:
+        open_source(path, on_error=on_error, label_key="label")
+    assert "--label-column" in str(error.value)
+
+
+def test_label_values_may_name_more_classes_than_rows_up_to_a_few(tmp_path, image_folder):
+    rows = bad_rows(image_folder, 7, label=999)  # a few rows of a dataset of a thousand classes
+    with open_source(plain_parquet(tmp_path / "x.parquet", rows)) as source:
+        assert len(source.classes) == 1000 and source.labels[7] == 999
+
+
+def hub_with_card(tmp_path, image_folder, names_yaml):
+    """A Hub folder whose card's ClassLabel ``names:`` is the YAML text ``names_yaml`` (indented under it)."""
+    src = tmp_path / "hub"
+    write_hub(src, sample_rows(image_folder))
+    text = card()
+    start = text.index("        names:\n") + len("        names:\n")
+    end = text.index("configs:")
+    (src / "README.md").write_text(text[:start] + names_yaml + text[end:])
+    return src
+
+
+@pytest.mark.parametrize("names, problem", [
+    ("          - a\n          - b\n          - a\n", "class name 'a' is given twice"),
+    ("          - a\n          - ''\n          - c\n", "class name '' is empty"),
+    ("          - a\n          - ../x\n          - c\n", "class name '../x' is a path"),
+    ("          - a\n          - /abs\n          - c\n", "class name '/abs' is a path"),
+    ("          - a\n          - b/../../c\n          - c\n", "class name 'b/../../c' is a path"),
+    ("          - a\n          - '..'\n          - c\n", "class name '..' is a path"),
+    ("          - a\n          - yes\n          - c\n", "class name True .*is no string.*quote"),
+    ("          - a\n          -\n          - c\n", "class name None .*is no string"),
+    ("          '0': a\n          '2': '1'\n", "class 1 has no name.*its number '1' is the name of class 2"),
+    ("          '0': a\n          '1': b\n          '01': c\n", "class number 1 is given twice"),
+    ("          '0': a\n          '1_0': b\n          '2': c\n", "'1_0' is no class number"),
+], ids=["twice", "empty", "climbing", "absolute", "slash", "dots", "boolean", "null", "gap", "number-twice",
+        "underscore"])
+def test_bad_class_names_in_the_card_are_refused_naming_it(tmp_path, image_folder, names, problem):
+    src = hub_with_card(tmp_path, image_folder, names)
+    with pytest.raises(pf.InvalidSourceError, match=problem) as error:
+        open_source(src)
+    assert str(src / "README.md") in str(error.value) and "'label'" in str(error.value)
+
+
+@pytest.mark.parametrize("names", [["a", "b", "a"], ["a", "", "c"], ["a", "../x", "c"], ["/abs", "b", "c"],
+                                   ["a", "b", "c\0"]], ids=["twice", "empty", "climbing", "absolute", "nul"])
+def test_bad_class_names_in_dataset_info_are_refused_naming_it(tmp_path, image_folder, names):
+    folder = tmp_path / "saved"
+    write_saved(folder, sample_rows(image_folder), features={**FEATURES, "label": {"names": names,
+                                                                                  "_type": "ClassLabel"}})
+    with pytest.raises(pf.InvalidSourceError, match="class name") as error:
+        open_source(folder)
+    assert "dataset_info.json" in str(error.value) and "'label'" in str(error.value)
+
+
+@pytest.mark.parametrize("value", ["", "../x", "/abs"], ids=["empty", "climbing", "absolute"])
+def test_bad_class_names_among_text_labels_are_refused_naming_the_row(tmp_path, image_folder, value):
+    rows = sample_rows(image_folder)
+    labels = pa.array([value if r == 11 else CLASSES[y] for r, (_, _, y) in enumerate(rows)])
+    path = plain_parquet(tmp_path / "x.parquet", rows, labels=labels)
+    with pytest.raises(pf.InvalidSourceError, match=f"x.parquet:row 11, column 'label'.*class name {value!r}"):
+        open_source(path, label_key="label")
+
+
+def test_more_class_names_than_the_limit_are_refused(tmp_path, image_folder, monkeypatch):
+    from packed_formats.sources import hub_checks
+
+    monkeypatch.setattr(hub_checks, "_MOST_CLASSES", 100)  # the limit is millions: a file of that many is slow
+    folder = tmp_path / "saved"
+    names = [f"c{k}" for k in range(101)]
+    write_saved(folder, sample_rows(image_folder), features={**FEATURES, "label": {"names": names,
+                                                                                  "_type": "ClassLabel"}})
+    with pytest.raises(pf.InvalidSourceError, match=r"dataset_info.json.*101 class names, more than the 100"):
+        open_source(folder)
+    with pytest.raises(pf.InvalidSourceError, match=r"x.parquet:row 7, column 'label'.*more than the 100"):
+        open_source(plain_parquet(tmp_path / "x.parquet", bad_rows(image_folder, 7, label=100)))
+
+
+# ---- array fields over list columns ---------------------------------------------------------------------
+def boxes_column(bad, kind=pa.float64(), good=(1.0, 2.0, 3.0, 4.0)):
+    """A list<list<kind>> column of N rows of one box each, row 10 ``bad``."""
+    return pa.array([bad if r == 10 else [list(good)] for r in range(N)], pa.list_(pa.list_(kind)))
+
+
+@pytest.mark.parametrize("column, declared, problem", [
+    (lambda: boxes_column([[1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 3.0]]), "float32[N,4]", "ragged"),
+    (lambda: boxes_column([[1.0, None, 3.0, 4.0]]), "float32[N,4]", "a null value"),
+    (lambda: boxes_column([None]), "float32[N,4]", "a null value"),
+    (lambda: boxes_column([[1, None, 3, 4]], pa.int64(), (1, 2, 3, 4)), "int32[N,4]", "a null value"),
+    (lambda: boxes_column([[300, 0, 0, 0]], pa.int64(), (1, 2, 3, 4)), "int8[N,4]", "300 .*out of the range of int8"),
+    (lambda: boxes_column([[-1, 0, 0, 0]], pa.int64(), (1, 2, 3, 4)), "uint8[N,4]", "-1 .*out of the range of uint8"),
+    (lambda: boxes_column([[1e300, 0.0, 0.0, 0.0]]), "float32[N,4]", "out of the range of float32"),
+    (lambda: boxes_column([[float("nan"), 0.0, 0.0, 0.0]]), "float32[N,4]", "not finite"),
+    (lambda: boxes_column([[float("inf"), 0.0, 0.0, 0.0]]), "float64[N,4]", "not finite"),
+    (lambda: boxes_column([[1.5, 0.0, 0.0, 0.0]]), "int32[N,4]", "1.5 is no whole number"),
+    (lambda: boxes_column([["1.5", "0", "0", "0"]], pa.string(), ("1", "2", "3", "4")), "float32[N,4]",
+     "string values, not numbers"),
+    (lambda: boxes_column([[70000, 0, 0, 0]], pa.int64(), (1, 2, 3, 4)), "float16[N,4]", "out of the range of float16"),
+    (lambda: boxes_column([[2, 0, 0, 0]], pa.int64(), (1, 0, 1, 0)), "bool[N,4]", "value 2 is no bool"),
+], ids=["ragged", "null-float", "null-row", "null-int", "int-too-big", "int-negative", "float-too-big", "nan", "inf",
+        "fraction", "strings", "int-as-float16", "int-as-bool"])
+@pytest.mark.parametrize("layout", ["parquet", "arrow"])
+def test_a_bad_array_cell_is_named_by_file_row_and_column_or_skipped(tmp_path, image_folder, column, declared,
+                                                                     problem, layout):
+    rows = sample_rows(image_folder)
+    table = image_table(rows, extra={"boxes": column()}).replace_schema_metadata(None)
+    src = tmp_path / f"x.{layout}"
+    if layout == "parquet":
+        pq.write_table(table, src, row_group_size=5)
+    else:
+        with pa.OSFile(str(src), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+            for chunk in table.to_batches(max_chunksize=4):
+                writer.write_batch(chunk)
+    bad_row = 0 if problem.startswith("string") else 10
+    where = f"x.{layout}:row {bad_row}, column 'boxes'"
+    fields = [f"boxes=array:{declared}"]
+    with pytest.raises(pf.CorruptSampleError, match=problem) as error:
+        convert(src, tmp_path / "out.zip", fields=fields, workers=1, quiet=True)
+    assert where in str(error.value) and not (tmp_path / "out.zip").exists()
+    if bad_row:
+        summary = convert(src, tmp_path / "out.zip", fields=fields, workers=1, on_error="skip", quiet=True)
+        assert summary.samples == N - 1 and len(summary.failed) == 1 and where in summary.failed[0]
+        with pf.open_archive(tmp_path / "out.zip") as reader:
+            assert np.array_equal(reader.read_field(0, "boxes"), np.array(column()[0].as_py(), declared.split("[")[0]))
+
+
+def test_array_cells_the_dtype_holds_as_they_are_convert(tmp_path, image_folder):
+    rows = sample_rows(image_folder)
+    columns = {"whole": boxes_column([[0.0, 255.0, 3.0, 4.0]]),  # floats of whole numbers as uint8
+               "wide": boxes_column([[-128, 127, 0, 1]], pa.int64(), (1, 2, 3, 4)),  # int64 in int8's range
+               "flags": boxes_column([[0, 1, 1, 0]], pa.int64(), (1, 0, 1, 0)),
+               "empty": pa.array([[] for _ in range(N)], pa.list_(pa.list_(pa.float64())))}
+    path = plain_parquet(tmp_path / "x.parquet", rows, **columns)
+    fields = ["whole=array:uint8[N,4]", "wide=array:int8[N,4]", "flags=array:bool[N,4]", "empty=array:float32[N,2]"]
+    convert(path, tmp_path / "out.zip", fields=fields, workers=1, quiet=True)
+    with pf.open_archive(tmp_path / "out.zip") as reader:
+        assert reader.read_field(10, "whole").tolist() == [[0, 255, 3, 4]]
+        assert reader.read_field(10, "wide").tolist() == [[-128, 127, 0, 1]]
+        assert reader.read_field(10, "flags").tolist() == [[False, True, True, False]]
+        assert reader.read_field(10, "empty").shape == (0, 2)
+
+
+# ---- what describes the dataset: the card, state.json, dataset_info.json, the files' metadata -------------
+def test_a_card_with_yaml_aliases_is_refused_not_expanded(tmp_path, image_folder, capsys):
+    names = "          - &a [" + ", ".join(["x"] * 3000) + "]\n" \
+            "          - &b [" + ", ".join(["*a"] * 3000) + "]\n" \
+            "          - [" + ", ".join(["*b"] * 3000) + "]\n"
+    src = hub_with_card(tmp_path, image_folder, names)
+    with pytest.raises(pf.InvalidSourceError, match="README.md.*YAML alias"):
+        open_source(src)
+    assert cli.main(["info", str(src)]) != 0 and "YAML alias" in capsys.readouterr().err
+
+
+def test_a_card_nested_too_deeply_is_refused(tmp_path, image_folder):
+    src = hub_with_card(tmp_path, image_folder, "          - " + "[" * 20000 + "]" * 20000 + "\n")
+    with pytest.raises(pf.InvalidSourceError, match="README.md.*nest"):
+        open_source(src)
+
+
+@pytest.mark.parametrize("where", ["state.json", "dataset_info.json", "dataset_dict.json", "metadata"])
+def test_json_nested_too_deeply_is_refused_naming_the_file(tmp_path, image_folder, where):
+    deep = "[" * 200_000 + "]" * 200_000
+    folder = tmp_path / "saved"
+    files = write_saved(folder, sample_rows(image_folder), files=1)
+    if where == "metadata":
+        table = image_table(sample_rows(image_folder)).replace_schema_metadata({b"huggingface": deep.encode()})
+        files = [tmp_path / "x.parquet"]
+        pq.write_table(table, files[0])
+        target = files[0]
+    else:
+        (folder / where).write_text(deep)
+        target = folder
+    with pytest.raises(pf.InvalidSourceError, match="nest") as error:
+        open_source(target)
+    assert (str(files[0]) if where == "metadata" else where) in str(error.value)
+
+
+@pytest.mark.parametrize("name", ["T - shirt / top", "n02085620/Chihuahua", "a.b", "...", "C:x"])
+def test_class_names_that_climb_nowhere_are_kept(name):
+    """Fashion-MNIST's "T - shirt / top" and WordNet-style names hold a '/' that leads nowhere: only a name that
+    starts at a root or holds a '.' or '..' part is refused as a path."""
+    from packed_formats.sources import hub_checks
+
+    assert hub_checks.name_problem(name) is None
