@@ -30,6 +30,7 @@ autodoc_class_signature = "mixed"
 autodoc_inherit_docstrings = False  # nn.Module's docstrings are not ours
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
+napoleon_use_param = False  # "a, b: what both are" stays one entry, not the same paragraph under each name
 nb_execution_mode = "off"
 myst_heading_anchors = 3
 suppress_warnings = [

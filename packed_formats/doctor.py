@@ -463,7 +463,13 @@ def _cpu_advice(report: Dict[str, Any]) -> Advice:
         f"Use num_workers={n} per training process: {cpu['usable']} CPUs usable over "
         f"{cpu['processes_per_node']} process(es) per node, one core each left for the main loop."
     )
-    if cpu["usable"] <= 2:
+    if cpu["usable"] <= 2 and not _decodes(report["archive"]):
+        yield "warning", (
+            f"Only {cpu['usable']} CPU(s): this is a raw archive, which needs no decoding, but random augmentation "
+            "runs on them. Ask Slurm for more (--cpus-per-task), or augment on the GPU (pf.make_loader(..., "
+            "device='cuda'))."
+        )
+    elif cpu["usable"] <= 2:
         yield "warning", (
             f"Only {cpu['usable']} CPU(s): decoding will be the bottleneck. Ask Slurm for more "
             "(--cpus-per-task) or use a raw-mode archive, which needs no decoding."
@@ -472,7 +478,9 @@ def _cpu_advice(report: Dict[str, Any]) -> Advice:
 
 def _jpeg_advice(report: Dict[str, Any]) -> Advice:
     jpeg = report["jpeg"]
-    if not jpeg["pillow_libjpeg_turbo"]:
+    if not jpeg["pillow_libjpeg_turbo"] and not _decodes(report["archive"]):
+        yield "info", "Pillow is built without libjpeg-turbo; this raw archive is never decoded, so it does not matter."
+    elif not jpeg["pillow_libjpeg_turbo"]:
         yield "warning", (
             "Pillow is built without libjpeg-turbo, so JPEG decoding is several times slower. Install Pillow "
             "from the PyPI wheels (they bundle libjpeg-turbo) or use a raw-mode archive."

@@ -269,7 +269,7 @@ def test_non_image_files_are_skipped_and_counted(tmp_path, corrupt_folder):
     summary = convert(corrupt_folder, tmp_path / "out.zip", workers=2, quiet=True)
     assert summary.skipped == 2
     assert summary.samples == N
-    assert "2 non-image files skipped" in summary.line()
+    assert "2 files skipped" in summary.line() and "circles/notes.txt, stripes/README" in summary.line()
 
 
 def test_corrupt_image_stops_the_conversion_naming_its_path(tmp_path, corrupt_folder):
@@ -434,6 +434,22 @@ def test_ordered_map_returns_results_in_order_with_a_bounded_number_in_flight():
         rest = list(results)
     assert [first] + rest == list(range(1000))
     assert started <= (2 * 2 + 1 + 1) * 4
+
+
+def _with_pid(_, i):
+    return i, os.getpid()
+
+
+@pytest.mark.slow
+def test_ordered_map_hands_each_run_to_one_worker_and_still_returns_every_index_once_in_order():
+    runs = list(range(0, 600, 40))  # runs of 40: whole chunks (at most a worker's share, 600 // 4)
+    with ordered_map(_with_pid, None, 600, workers=2, runs=runs) as results:
+        found = list(results)
+    assert [i for i, _ in found] == list(range(600))
+    assert all(len({pid for _, pid in found[r:r + 40]}) == 1 for r in runs)
+    for odd in ([0, 700, 5, 5, 3, 90], [], [599], [0, 1, 2, 3]):  # whatever runs say, every index once, in order
+        with ordered_map(_with_pid, None, 100, workers=2, runs=odd) as results:
+            assert [i for i, _ in results] == list(range(100))
 
 
 def _pixels_of(seed, i):

@@ -38,6 +38,7 @@ from packed_formats.sources import (
     source_formats,
     tarfiles,
 )
+from packed_formats.sources.voc import VOC_CLASSES
 from packed_formats.writing.convert import convert
 
 from .conftest import CLASSES, PER_CLASS, RAW_SHAPE
@@ -130,6 +131,7 @@ class Case:
     classes: Optional[List[str]] = None
     samples: Optional[List[Any]] = None
     mode: str = "encoded"  # converted in this mode (raw: at the source's own size)
+    labels: Optional[List[int]] = None  # default: the folder's (a detection layout's are all 0)
 
 
 def case_folder(tmp, folder, samples, archives):
@@ -309,6 +311,42 @@ def case_arrow(tmp, folder, samples, archives):  # a save_to_disk folder
     return Case("arrow", str(tmp / "saved"), {}, False, [f"{i:08d}" for i in range(len(samples))], list(CLASSES))
 
 
+def image_sizes(samples) -> List[Any]:
+    from PIL import Image
+
+    return [Image.open(io.BytesIO(data)).size for _, _, data in samples]
+
+
+def case_coco(tmp, folder, samples, archives):  # annotations/instances_<split>.json and its image folder; masks
+    # only, so that a resize needs no --boxes (the fields are tests/test_coco_source.py's)
+    images = [{"id": 10 + i, "file_name": key, "width": w, "height": h}
+              for i, ((key, _, _), (w, h)) in enumerate(zip(samples, image_sizes(samples)))]
+    annotations = [{"id": i, "image_id": 10 + i, "category_id": 3, "bbox": [0, 0, 2, 2], "area": 4,
+                    "segmentation": [[0, 0, 2, 0, 2, 2]]} for i in range(len(samples))]
+    (tmp / "coco" / "annotations").mkdir(parents=True)
+    (tmp / "coco" / "annotations" / "instances_val.json").write_text(json.dumps(
+        {"images": images, "annotations": annotations, "categories": [{"id": 3, "name": "thing"}]}))
+    for key, _, data in samples:
+        (tmp / "coco" / "val" / key).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / "coco" / "val" / key).write_bytes(data)
+    return Case("coco", str(tmp / "coco"), {"fields": ["masks=image"]}, False, [k for k, _, _ in samples],
+                ["__background__", "thing"], labels=[0] * len(samples))
+
+
+def case_voc(tmp, folder, samples, archives):  # VOCdevkit/VOC2012: JPEGImages, Annotations
+    from .test_voc_source import xml
+
+    root = tmp / "VOCdevkit" / "VOC2012"
+    (root / "JPEGImages").mkdir(parents=True)
+    (root / "Annotations").mkdir()
+    stems = [f"{i:04d}_" + key.rsplit(".", 1)[0].replace("/", "_") for i, (key, _, _) in enumerate(samples)]
+    for stem, (_, _, data), (w, h) in zip(stems, samples, image_sizes(samples)):
+        (root / "JPEGImages" / f"{stem}.jpg").write_bytes(data)
+        (root / "Annotations" / f"{stem}.xml").write_text(xml(w, h, objects=(("cat", (1, 1, 2, 2), 0),)))
+    return Case("voc", str(tmp), {"fields": ["none"]}, False, [stem + ".jpg" for stem in stems], list(VOC_CLASSES),
+                labels=[0] * len(samples))  # stems sorted in the folder's order
+
+
 CASES: Dict[str, Callable[..., Case]] = {
     name[len("case_"):].replace("_", "-"): function for name, function in dict(globals()).items()
     if name.startswith("case_")
@@ -348,7 +386,7 @@ def test_each_kind_converts_as_its_extracted_folder(tmp_path, image_folder, buil
     keys, labels, classes, stored = contents(out)
     samples = folder_samples(image_folder)
     assert keys == case.keys
-    assert labels == [label for _, label, _ in samples]
+    assert labels == (case.labels if case.labels is not None else [label for _, label, _ in samples])
     assert classes == case.classes
     assert same_samples(stored, case.samples or [data for _, _, data in samples])
 
@@ -362,7 +400,7 @@ def test_each_kind_converts_to_the_same_pixels_as_its_extracted_folder(tmp_path,
     convert(image_folder, tmp_path / "folder.memmap", mode="raw", size=SIZE, workers=1, quiet=True)
     _, labels, _, pixels = contents(tmp_path / "out.memmap")
     _, folder_labels, _, folder_pixels = contents(tmp_path / "folder.memmap")
-    assert labels == folder_labels
+    assert labels == (case.labels if case.labels is not None else folder_labels)
     assert same_samples(pixels, case.samples or folder_pixels)
 
 
@@ -727,7 +765,8 @@ def test_info_shows_what_convert_would_make_of_a_container(tmp_path, image_folde
     out = capsys.readouterr().out
     assert "source      tar: ImageFolder tree under dataset/ (compressed)" in out
     assert f"samples     {N}" in out and "read in 1 pass over the compressed stream" in out
-    assert "skipped     1 non-image files" in out and f"classes     {len(CLASSES)}" in out
+    assert "skipped     1 file (no image of a kind read" in out and "dataset/boxes/x.txt" in out
+    assert f"classes     {len(CLASSES)}" in out
     for c, name in enumerate(CLASSES):
         assert re.search(rf"^ +{c} +{name} +{PER_CLASS}$", out, re.MULTILINE), name
     assert cli.main(["info", src, "--json"]) == 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -20,15 +20,29 @@ from ..manifest import ArchiveManifest
 from .base import Backend, FormatSpec, Handle
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+# Images of kinds that are not read (as torchvision's ImageFolder leaves them out): named apart when skipped.
+UNREAD_IMAGE_EXTENSIONS = (".gif", ".avif", ".heic", ".heif", ".jp2", ".jxl", ".ico", ".svg")
+SKIPPED_NAMES_KEPT = 1000  # names of skipped files a listing keeps, to show them (a source may have millions)
 
 
 def is_image_file(name: str) -> bool:
     return name.lower().endswith(IMAGE_EXTENSIONS)
 
 
-def scan_image_folder(root: str) -> Tuple[List[str], np.ndarray, np.ndarray, int]:
-    """(classes, image paths relative to ``root``, labels, non-image files skipped) of an ImageFolder
-    tree, the paths as one fixed-width bytes array (as ``encode_keys`` makes them) and the labels int64.
+def keep_names(kept: List[str], names: Iterable[str]) -> None:
+    """Append ``names`` to ``kept`` until it holds ``SKIPPED_NAMES_KEPT``."""
+    for name in names:
+        if len(kept) >= SKIPPED_NAMES_KEPT:
+            return
+        kept.append(name)
+
+
+def scan_image_folder(root: str, skipped_names: Optional[List[str]] = None
+                      ) -> Tuple[List[str], np.ndarray, np.ndarray, int]:
+    """(classes, image paths relative to ``root``, labels, files skipped) of an ImageFolder tree, the
+    paths as one fixed-width bytes array (as ``encode_keys`` makes them) and the labels int64.  Files
+    skipped are those below the classes that are no image of a kind read here (``IMAGE_EXTENSIONS``):
+    ``skipped_names``, when given, gets the first ``SKIPPED_NAMES_KEPT`` of them, relative to ``root``.
 
     Classes are the sorted sub-directories, images sorted by directory path, then file name.
     Symbolic links to directories are followed, each real directory once: a link back to a
@@ -51,6 +65,9 @@ def scan_image_folder(root: str) -> Tuple[List[str], np.ndarray, np.ndarray, int
         for directory, files in _walk_once(os.path.join(root, name), seen):
             images = [file for file in files if is_image_file(file)]
             skipped += len(files) - len(images)
+            if skipped_names is not None and len(images) < len(files):
+                left_out = (os.path.relpath(os.path.join(directory, f), root) for f in files if not is_image_file(f))
+                keep_names(skipped_names, left_out)
             if images:
                 prefix = os.path.join(os.path.relpath(directory, root), "").encode("utf-8", "surrogateescape")
                 listing.append((directory, np.char.add(prefix, encode_keys(images))))

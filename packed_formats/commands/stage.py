@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ..stage import default_stage_dir, stage_archive
@@ -17,6 +18,7 @@ examples:
   srun --ntasks-per-node=4 packed-formats stage train.h5 --to /tmp   # 4 ranks, one copy per node
 
 The local path is printed on stdout (progress on stderr), so scripts can capture it.
+A --to folder that does not exist is created, and a note on stderr says so.
 Concurrent calls wait for the one that copies; an identical existing copy is reused.
 """
 
@@ -34,9 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     directory = args.to or default_stage_dir()
+    existed = os.path.isdir(directory)
     if not args.quiet:
         print(f"staging {redact(args.archive)} to {directory} ...", file=sys.stderr)
     result = stage_archive(args.archive, directory, timeout=args.timeout)
+    if not existed and os.path.isdir(directory):  # a mistyped --to is a new folder: say so, even with --quiet
+        print(f"packed-formats stage: note: {directory} did not exist: it was created", file=sys.stderr)
     if not args.quiet:
         if result.copied:
             rate = result.nbytes / max(result.seconds, 1e-9) / 1e6

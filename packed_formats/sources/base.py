@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Dict, Iterable, Iterator, List, NamedTuple, Op
 
 import numpy as np
 
+from ..backends.folder import IMAGE_EXTENSIONS, SKIPPED_NAMES_KEPT, UNREAD_IMAGE_EXTENSIONS
 from ..errors import InvalidSourceError, PackedFormatError
 from ..fields import FieldSpec, check_fields
 from ..index import decode_key, encode_keys
@@ -29,6 +30,8 @@ Data = Union[bytes, np.ndarray]
 # Class names that are dataset splits rather than classes: a source whose classes are all
 # of these was most probably meant to be read one split at a time (subdir=).
 _SPLIT_NAMES = frozenset({"train", "training", "val", "valid", "validation", "test", "testing", "eval"})
+# The image kinds a source reads, as a message names them (jpg for .jpg and .jpeg...).
+IMAGE_KINDS = tuple(dict.fromkeys(e[1:].replace("jpeg", "jpg").replace("tiff", "tif") for e in IMAGE_EXTENSIONS))
 
 
 class SourceWarning(UserWarning):
@@ -120,14 +123,19 @@ class Source:
     A kind (a subclass) sets ``kind`` (its registry name) and
     ``random_access``, and implements ``sniff`` and ``open``, then ``load``
     (random access) or ``__iter__`` (one ordered pass).  ``skipped`` counts
-    non-image files left out; ``failed`` names samples left out while listing
-    with on_error="skip" (as "where: problem").
+    the files left out that are no image of a kind read (``skipped_names``: the
+    first of them, relative to the source, to show); ``failed`` names samples
+    left out while listing with on_error="skip" (as "where: problem").
     """
 
     kind: ClassVar[str] = "source"
     random_access: bool = True  # a class default; a kind may decide per source (compressed or not)
     fields: Tuple[FieldSpec, ...] = ()  # what each sample holds besides its image and label (``load_fields``)
     reads_fields: ClassVar[bool] = False  # whether the kind reads fields (SourceOptions.fields)
+    # Where to look when every sample has one label; None: the labels are folder names (--subdir, dataset.json).
+    label_advice: ClassVar[Optional[str]] = None
+    # False: the images have no class of their own (detection, segmentation): every label 0, never warned of.
+    image_labels: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -138,12 +146,14 @@ class Source:
         skipped: int = 0,
         failed: Sequence[str] = (),
         layout: str = "",
+        skipped_names: Sequence[str] = (),
     ) -> None:
         self.path = path
         self.classes: Tuple[str, ...] = tuple(classes)
         self.keys = keys if isinstance(keys, np.ndarray) else encode_keys(list(keys))
         self.labels = np.asarray(labels, dtype=np.int64)
         self.skipped = skipped
+        self.skipped_names = list(skipped_names[:SKIPPED_NAMES_KEPT])
         self.failed = list(failed)
         self.layout = layout  # a few words on what was found, for `info`
 
@@ -200,6 +210,12 @@ class Source:
         """Bytes sample i takes as stored, without reading it (None: unknown for this kind)."""
         return None
 
+    def runs(self) -> Optional[np.ndarray]:
+        """The first sample of each run of consecutive samples that one read brings in together (a row group
+        of a parquet file), ascending from 0; None: each sample is read on its own.  A conversion hands
+        each run to one worker whole where it can, so that no two workers read the same run."""
+        return None
+
     def notes(self) -> List[str]:
         """Lines for ``info`` about how the source will be read (passes, buffering...)."""
         return []
@@ -236,13 +252,15 @@ def _is_integer(word: str) -> bool:
 def warn_if_suspicious(source: Source) -> None:
     """A SourceWarning when the source has one class, every label equal, or splits as classes."""
     classes, path = source.classes, source.path
-    if len(source) == 0:
+    if len(source) == 0 or not source.image_labels:
         return
     counts = np.bincount(source.labels, minlength=len(classes))
     if len(classes) == 1:
         reason = f"1 class found ({classes[0]!r})"
     elif np.count_nonzero(counts) == 1:
         reason = f"all {len(source)} samples have the same label ({classes[int(np.argmax(counts))]!r})"
+    elif source.label_advice is not None:  # labels from a file or a store, not folders: no split to choose
+        return
     elif set(name.lower() for name in classes) <= _SPLIT_NAMES:
         warnings.warn(
             f"{path}: the classes are {', '.join(classes)}, which look like dataset splits: "
@@ -252,9 +270,38 @@ def warn_if_suspicious(source: Source) -> None:
         return
     else:
         return
-    warnings.warn(
-        f"{path}: {reason}: did you mean --subdir, or a dataset.json with the labels?", SourceWarning, stacklevel=3
-    )
+    advice = source.label_advice or "did you mean --subdir, or a dataset.json with the labels?"
+    warnings.warn(f"{path}: {reason}: {advice}", SourceWarning, stacklevel=3)
+
+
+def describe_skipped(count: int, names: Sequence[str], shown: Optional[int] = 5, more_hint: str = "",
+                     verb: str = " skipped") -> str:
+    """``N files skipped (no image of a kind read: ...): a, b and M more``: the files a source left out, the
+    first ``shown`` of ``names`` (None: every name kept) named, and the kinds of image among them that are
+    never read (GIF...), with what to do; ``more_hint`` follows the list when names are left out of it."""
+    if not count:
+        return f"no files{verb}"
+    listed = [_printable(name) for name in (names if shown is None else names[:shown])]
+    text = f"{count} file{'s' if count != 1 else ''}{verb} (no image of a kind read: {', '.join(IMAGE_KINDS)})"
+    if listed:
+        more = count - len(listed)
+        text += ": " + ", ".join(listed) + (f" and {more} more" if more > 0 else "")
+        if more > 0 and len(names) > len(listed) and more_hint:
+            text += f" ({more_hint})"
+        elif more > 0 and len(names) == len(listed) and shown is None:
+            text += f" (the first {len(listed)} named)"
+    unread = sorted({posixpath.splitext(n)[1].lower() for n in names if n.lower().endswith(UNREAD_IMAGE_EXTENSIONS)})
+    if unread:
+        text += (f"; {', '.join(unread)} images are never read, as by torchvision's ImageFolder: convert them "
+                 "to PNG to pack them")
+    return text
+
+
+def _printable(name: str) -> str:
+    """A file name as a message shows it: bytes that are not UTF-8 (surrogate-escaped) as ``\\xNN`` and control
+    characters as Python writes them, so no name breaks the line or the terminal it is printed on."""
+    text = name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    return _CONTROL.sub(lambda found: repr(found.group())[1:-1], text)
 
 
 # ---- member names ------------------------------------------------------------------------------

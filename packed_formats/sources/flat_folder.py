@@ -21,6 +21,7 @@ class FlatFolderSource(FolderSource):
     """Images in one folder plus a label file."""
 
     kind = "flat-folder"
+    label_advice = "is that right? Check the --labels file"
 
     @classmethod
     def sniff(cls, path: str, head: bytes) -> bool:
@@ -43,7 +44,8 @@ class FlatFolderSource(FolderSource):
         if not images:
             raise UnknownFormatError(root, "no image files in this folder")
         classes, values = read_label_file(labels_path, images)
-        return cls(root, classes, images, values, skipped=len(names) - len(images), layout=f"labels from {labels_path}")
+        return cls(root, classes, images, values, skipped=len(names) - len(images), layout=f"labels from {labels_path}",
+                   skipped_names=[n for n in names if not is_image_file(n)])
 
 
 def read_label_file(path: str, images: Sequence[str]) -> Tuple[Tuple[str, ...], List[int]]:

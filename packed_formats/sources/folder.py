@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import posixpath
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -42,8 +42,9 @@ class FolderSource(Source):
     reads_fields = True
     sidecars: Dict[str, np.ndarray] = {}  # each field's file beside each sample, relative to the root
 
-    def __init__(self, root: str, classes, keys, labels, skipped: int = 0, layout: str = "ImageFolder tree") -> None:
-        super().__init__(root, classes, keys, labels, skipped, layout=layout)
+    def __init__(self, root: str, classes, keys, labels, skipped: int = 0, layout: str = "ImageFolder tree",
+                 skipped_names: Sequence[str] = ()) -> None:
+        super().__init__(root, classes, keys, labels, skipped, layout=layout, skipped_names=skipped_names)
         self.root = root
 
     @classmethod
@@ -66,16 +67,17 @@ class FolderSource(Source):
                 raise InvalidSourceError(root, "fields are read beside the images of a class-folder tree, not "
                                                "with a dataset.json")
             return cls._with_dataset_json(root, labels_json)
-        classes, keys, labels, skipped = scan_image_folder(root)
+        skipped_names: List[str] = []
+        classes, keys, labels, skipped = scan_image_folder(root, skipped_names)
         if not len(keys):
             raise UnknownFormatError(
                 root, "no images found in class sub-directories", hint="expected root/<class>/<image>"
             )
         if not options.fields:
-            return cls(root, classes, keys, labels, skipped)
+            return cls(root, classes, keys, labels, skipped, skipped_names=skipped_names)
         specs = options.declared_fields
         keys, labels, sidecars, failed = _with_sidecars(root, keys, labels, specs, options.on_error)
-        source = cls(root, classes, keys, labels, skipped)
+        source = cls(root, classes, keys, labels, skipped, skipped_names=skipped_names)
         source.failed = failed
         source.fields, source.sidecars = specs, sidecars
         return source
@@ -98,13 +100,13 @@ class FolderSource(Source):
 
     @classmethod
     def _with_dataset_json(cls, root: str, content: bytes) -> "FolderSource":
-        _, keys, _, skipped = scan_image_folder(root)
-        with os.scandir(root) as entries:
-            own = sorted(e.name for e in entries if e.is_file() and e.name != DATASET_JSON)
+        own = own_files(root)
+        skipped_names = [n for n in own if not is_image_file(n)]
+        _, keys, _, skipped = scan_image_folder(root, skipped_names)
         names = [DATASET_JSON] + [n for n in own if is_image_file(n)] + [decode_key(k) for k in keys]
         layout = dataset_json_layout(root, names, 0, content)
         skipped += len(own) - sum(map(is_image_file, own))
-        return cls(root, layout.classes, layout.keys, layout.labels, skipped, layout.description)
+        return cls(root, layout.classes, layout.keys, layout.labels, skipped, layout.description, skipped_names)
 
     def location(self, i: int) -> str:
         return os.path.join(self.root, self.key(i))
@@ -172,6 +174,12 @@ def _with_sidecars(root: str, keys: np.ndarray, labels: np.ndarray, specs: Tuple
             sidecars[spec.name].append(found[spec.name])
     at = np.asarray(kept, dtype=np.int64)
     return keys[at], np.asarray(labels)[at], {n: encode_keys(v) for n, v in sidecars.items()}, failed
+
+
+def own_files(root: str) -> List[str]:
+    """The names of the files right in ``root`` (not below), the dataset.json left out, sorted."""
+    with os.scandir(root) as entries:
+        return sorted(e.name for e in entries if e.is_file() and e.name != DATASET_JSON)
 
 
 def _dataset_json(root: str) -> Optional[bytes]:

@@ -28,6 +28,7 @@ class HDF5Source(Source):
     """Samples of an images dataset, labelled by a labels dataset."""
 
     kind = "hdf5"
+    label_advice = "is that right? Check the labels dataset (--label-key names it)"
     random_access = False
 
     @classmethod

@@ -19,7 +19,7 @@ import json
 import posixpath
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..backends.folder import is_image_file
+from ..backends.folder import SKIPPED_NAMES_KEPT, is_image_file
 from ..errors import InvalidSourceError
 from .base import classes_and_labels, folder_order, in_folder_order, is_junk
 
@@ -36,6 +36,7 @@ class Layout:
     labels: List[int]
     skipped: int
     description: str
+    skipped_names: List[str] = dataclasses.field(default_factory=list)  # the first skipped files' names
 
 
 def dataset_json_member(names: Sequence[str], subdir: Optional[str]) -> Optional[int]:
@@ -68,14 +69,14 @@ def dataset_json_layout(path: str, names: Sequence[str], where: int, content: by
     root = posixpath.dirname(json_name)
     prefix = root + "/" if root else ""
     by_key: Dict[str, int] = {}
-    skipped = 0
+    skipped: List[str] = []
     for j, name in enumerate(names):
         if j == where or not name or not name.startswith(prefix) or is_junk(name):
             continue
         if is_image_file(name):
             by_key[name[len(prefix):]] = j
         else:
-            skipped += 1
+            skipped.append(name)
     labelled = read_dataset_json(f"{path}:{json_name}", content)
     found = list(by_key)
     keys = [found[j] for j in folder_order_with_root_files(found)]
@@ -96,7 +97,8 @@ def dataset_json_layout(path: str, names: Sequence[str], where: int, content: by
         values = [labelled[k] for k in keys]
     classes, labels = classes_and_labels(f"{path}:{json_name}", values)
     where_text = f" in {root}/" if root else ""
-    return Layout(classes, [by_key[k] for k in keys], keys, labels, skipped, f"stylegan2-ada dataset.json{where_text}")
+    return Layout(classes, [by_key[k] for k in keys], keys, labels, len(skipped),
+                  f"stylegan2-ada dataset.json{where_text}", skipped[:SKIPPED_NAMES_KEPT])
 
 
 def read_dataset_json(where: str, content: bytes) -> Optional[Dict[str, int]]:
@@ -158,7 +160,7 @@ def image_folder_layout(path: str, names: Sequence[str], dirs: Sequence[str], su
     lookup = {name: c for c, name in enumerate(sorted_classes)}
     chosen: List[int] = []
     keys: List[str] = []
-    skipped = 0
+    skipped: List[str] = []
     for j in wanted:
         name = names[j]
         if not name.startswith(prefix) or "/" not in name[len(prefix):]:
@@ -170,10 +172,10 @@ def image_folder_layout(path: str, names: Sequence[str], dirs: Sequence[str], su
             chosen.append(j)
             keys.append(key)
         else:
-            skipped += 1
+            skipped.append(name)
     keys, members, labels = in_folder_order(keys, chosen, lookup)
     description = f"ImageFolder tree under {root}/" if root else "ImageFolder tree"
-    return Layout(sorted_classes, members, keys, labels, skipped, description)
+    return Layout(sorted_classes, members, keys, labels, len(skipped), description, skipped[:SKIPPED_NAMES_KEPT])
 
 
 def _common_directory(names: Sequence[str]) -> str:

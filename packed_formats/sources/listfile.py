@@ -41,6 +41,7 @@ class ListSource(FolderSource):
     """Image files named by a list, each with its label."""
 
     kind = "list"
+    label_advice = "is that right? Check the list's label column (path,label on each row)"
     reads_fields = True
     columns: Dict[str, "Cells"] = {}
 

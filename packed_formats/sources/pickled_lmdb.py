@@ -34,6 +34,7 @@ class PickledLMDBSource(Source):
     """Samples unpickled from the records of an LMDB environment."""
 
     kind = "lmdb-pickle"
+    label_advice = "is that right? Check the records' labels (--label-key names their field)"
     random_access = False
 
     @classmethod

@@ -38,7 +38,9 @@ class TarSource(TarBackedSource):
         else:
             layout = image_folder_layout(path, names, listing.dirs, options.subdir)
         compressed = " (compressed)" if listing.compressed[0] else ""
-        return cls(
+        source = cls(
             path, layout.classes, layout.keys, layout.labels, TarSamples(listing, layout.members),
             layout.skipped, failed, layout.description + compressed,
         )
+        source.skipped_names = layout.skipped_names
+        return source

@@ -43,6 +43,7 @@ class WebDatasetSource(TarBackedSource):
     """Samples grouped by key in one or more tar shards."""
 
     kind = "webdataset"
+    label_advice = "is that right? Check the label members (--label-key names their extension)"
     reads_fields = True
     field_samples: Dict[str, TarSamples] = {}
     together: Optional[TarSamples] = None  # compressed shards with fields: every member a sample needs, in order
@@ -78,14 +79,17 @@ class WebDatasetSource(TarBackedSource):
                     s is not None for s in chosen.values())
                 lacking = [name for name, s in chosen.items() if s is None]
                 if image is None or label is None or lacking:
-                    problem = f"has no image member ({', '.join(preferred)})" if image is None else (
-                        f"has no .{label_ext} label member" if label is None else
-                        f"has no member for field {lacking[0]!r} (.{lacking[0]} or .{lacking[0]}.*)"
-                    )
-                    error = InvalidSourceError(
-                        listing.parts[part], f"sample {key!r} {problem}", key=key,
-                        hint="fix the shard, choose --label-key/--image-key, or --on-error skip",
-                    )
+                    if image is None:
+                        problem = f"has no image member ({', '.join(preferred)})"
+                        hint = "fix the shard, name the image extension with --image-key, or --on-error skip"
+                    elif label is None:
+                        problem = f"has no .{label_ext} label member"
+                        hint = "fix the shard, name the label extension with --label-key, or --on-error skip"
+                    else:
+                        problem = f"has no member for field {lacking[0]!r} (.{lacking[0]} or .{lacking[0]}.*)"
+                        hint = (f"add the member, leave out --field {lacking[0]}, or --on-error skip to leave such "
+                                "samples out")
+                    error = InvalidSourceError(listing.parts[part], f"sample {key!r} {problem}", key=key, hint=hint)
                     if options.on_error == "raise":
                         raise error
                     failed.append(str(error))
@@ -162,15 +166,22 @@ def _field_specs(path: str, listing: TarListing, grouped, options: SourceOptions
             others = {e for e in found if e not in (image_ext, label_ext)}
             common = others if common is None else common & others
     specs = list(declared)
+    arrays: List[Tuple[str, str]] = []  # (extension, field name) of the .npy members, to declare
     for extension in sorted(common or ()):
         name, last = extension.split(".", 1)[0], extension.rsplit(".", 1)[-1]
         if not NAME.match(name) or name in RESERVED or name in {spec.name for spec in specs}:
             continue
         if last == "npy":
-            raise InvalidSourceError(path, f"the .{extension} members are arrays: declare their dtype and shape",
-                                     hint=f"--field {name}=array:DTYPE[N,...] (e.g. float32[N,4])")
+            arrays.append((extension, name))
+            continue
         kind = "image" if last in IMAGE_EXTENSIONS else {"json": "json", "txt": "text"}.get(last, "bytes")
         specs.append(FieldSpec(name, kind))
+    if arrays:  # every one named at once, not one per try
+        members = [f".{extension}" for extension, _ in arrays]
+        listed = members[0] if len(members) == 1 else f"{', '.join(members[:-1])} and {members[-1]}"
+        raise InvalidSourceError(path, f"the {listed} members are arrays: declare their dtype and shape",
+                                 hint=" ".join(f"--field {name}=array:DTYPE[N,...]" for _, name in arrays)
+                                 + " (e.g. float32[N,4]), with --field auto")
     return tuple(specs)
 
 

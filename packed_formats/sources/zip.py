@@ -72,7 +72,10 @@ class ZipSource(Source):
         else:
             layout = image_folder_layout(path, names, dirs, options.subdir)
         chosen = [infos[j] for j in layout.members]
-        return cls(path, layout.classes, layout.keys, layout.labels, chosen, layout.skipped, failed, layout.description)
+        source = cls(path, layout.classes, layout.keys, layout.labels, chosen, layout.skipped, failed,
+                     layout.description)
+        source.skipped_names = layout.skipped_names
+        return source
 
     def __init__(self, path, classes, keys, labels, infos: List[zipfile.ZipInfo], skipped, failed, layout) -> None:
         super().__init__(path, classes, keys, labels, skipped, failed, layout)
