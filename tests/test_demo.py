@@ -1,4 +1,4 @@
-"""The demo (``make demo``, the README's first command) runs and prints a row for every archive."""
+"""The demo (``python tools/demo.py``, the README's first archive) runs and prints a row for every archive."""
 
 from __future__ import annotations
 

@@ -152,6 +152,7 @@ def test_a_job_killed_after_a_checkpoint_and_submitted_again_resumes(slurm, arch
     fields = wait_for(env, second, finished, "end")
     out = log.read_text()
     assert fields["JobState"] == "COMPLETED", out
+    assert not list(tmp_path.glob(f"*-{second}")), "the job left its staged copy"
     assert re.search(rf"resumed from {re.escape(str(checkpoint))}: epoch 1, \d+ batches done", out), out
     reference = reference_run(archive, tmp_path)
     assert losses(out)[-1] == reference["losses"][-1]
@@ -187,6 +188,7 @@ def test_two_ranks_started_by_srun_stop_together_requeue_and_resume_exactly(slur
     out = log.read_text()
     assert (fields["JobState"], fields["Restarts"], fields["ExitCode"]) == ("COMPLETED", "1", "0:0"), out
     assert f"requeued Slurm job {job_id}" in out, out
+    assert not list(tmp_path.glob(f"*-{job_id}")), "the job left its staged copy"
     # the last checkpoint before the requeue is the signal's (an epoch's end also saves one; on a loaded
     # machine the signal may come after the first epoch's)
     saves = re.findall(r"saved \S+: epoch (\d+), (\d+) batches done", out.split(f"requeued Slurm job {job_id}")[0])

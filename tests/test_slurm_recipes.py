@@ -15,7 +15,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import List
+from typing import List, Tuple
 
 import pytest
 
@@ -66,14 +66,33 @@ def job_ids(output: str) -> List[str]:
     return sorted(set(re.findall(r"^job (\S+): (?:COMPLETED|FAILED|CANCELLED|TIMEOUT)", output, flags=re.M)))
 
 
+DATA = "packed-formats convert images/ train.zip"  # what the README's data block holds
+
+
+def recipe_folder() -> str:
+    """The folder of its own that the README's data block makes and enters (``cd NAME``)."""
+    found = re.findall(r"\bcd (\S+)$", block(DATA), flags=re.M)
+    assert len(found) == 1, "tools/slurm/README.md's data block does not enter a folder of its own"
+    return found[0]
+
+
 @pytest.fixture(scope="module")
 def workdir(slurm, tmp_path_factory):  # noqa: F811 (the fixture imported above)
-    """A directory laid out as the repository's root, holding what the README's data block makes."""
+    """The README's folder of its own, made by its data block run in a directory laid out as the repository's
+    root, and holding what that block makes; the later blocks run in it, as a user's shell stays there."""
     where = tmp_path_factory.mktemp("recipes")
     (where / "tools").symlink_to(ROOT / "tools", target_is_directory=True)
-    made = run_block(block("packed-formats convert images/ train.zip"), slurm, where)
+    made = run_block(block(DATA), slurm, where)
     assert made.returncode == 0, made.stderr
-    return where
+    folder = where / recipe_folder()
+    assert sorted(os.listdir(where)) == sorted(["tools", recipe_folder()]), "the data block wrote beside its folder"
+    assert (folder / "train.zip").is_file() and (folder / "tools" / "slurm").is_dir()
+    return folder
+
+
+def staged_copies(tmp: Path, job_id: str) -> List[Path]:
+    """What a job staged under ``tmp`` (its ``<user>-<jobid>`` folder), if still there."""
+    return list(tmp.glob(f"*-{job_id}"))
 
 
 # Over 60 s (55-90 s): as the two-rank test in test_slurm_cluster.py, the signal comes with slurmctld's
@@ -81,10 +100,11 @@ def workdir(slurm, tmp_path_factory):  # noqa: F811 (the fixture imported above)
 @pytest.mark.slow
 def test_single_gpu_recipe_checkpoints_requeues_once_and_resumes_exactly(slurm, workdir, tmp_path):  # noqa: F811
     started = time.monotonic()
-    done = run_block(block("train_single_gpu.sbatch"), slurm, workdir)
+    done = run_block(block("train_single_gpu.sbatch"), {**slurm, "TMPDIR": str(tmp_path)}, workdir)
     took = time.monotonic() - started
     assert done.returncode == 0, done.stdout + done.stderr
     (job_id,) = job_ids(done.stdout)
+    assert not staged_copies(tmp_path, job_id), "the job left its staged copy"
     fields = job(slurm, job_id)
     log = (workdir / f"pf-train-{job_id}.out").read_text()
     # one requeue: the restart's longer limit lets it finish (minutes, not one allocation a batch)
@@ -103,11 +123,13 @@ def test_single_gpu_recipe_checkpoints_requeues_once_and_resumes_exactly(slurm, 
 
 
 @pytest.mark.slow
-def test_multi_gpu_recipe_runs_two_ranks_on_the_one_node(slurm, workdir):  # noqa: F811
-    done = run_block(block("train_multi_gpu.sbatch"), slurm, workdir)
+def test_multi_gpu_recipe_runs_two_ranks_on_the_one_node(slurm, workdir, tmp_path):  # noqa: F811
+    done = run_block(block("train_multi_gpu.sbatch"), {**slurm, "TMPDIR": str(tmp_path)}, workdir)
     assert done.returncode == 0, done.stdout + done.stderr
     (job_id,) = job_ids(done.stdout)
     assert job(slurm, job_id)["JobState"] == "COMPLETED"
+    assert not staged_copies(tmp_path, job_id), "the job left its staged copy"
+    assert not list(workdir.glob(f".stop-{job_id}")), "the job left its stop file"
     log = (workdir / f"pf-train-ddp-{job_id}.out").read_text()
     for rank in (0, 1):  # 24 samples, 2 ranks, batches of 4
         assert re.findall(rf"rank {rank} of 2: epoch (\d+): (\d+) batches", log) == [("0", "3"), ("1", "3")], log
@@ -182,24 +204,50 @@ def test_waiting_for_a_job_that_cannot_start_here_says_why_at_once(slurm):  # no
     assert f"job {job_id} cannot start on this one-node cluster: PENDING (PartitionConfig)" in waited.stderr
 
 
+def test_the_recipes_folder_of_their_own_is_ignored_by_git():
+    """Made from the repository's top folder as the README says, it leaves ``git status`` clean."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    folder = recipe_folder()
+    done = subprocess.run(["git", "check-ignore", f"{folder}/train.zip"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, f"{folder}/ would show in git status: add it to .gitignore"
+
+
 def test_the_readme_starts_the_cluster_without_sudo():
     start = block("local_cluster.sh start")
     assert re.search(r"^tools/slurm/local_cluster\.sh start\b", start, flags=re.M), start
     assert "sudo" not in start
 
 
-def as_nobody(command: list, programs: dict) -> subprocess.CompletedProcess:
-    """Run ``command`` as the user nobody, with a PATH of ``programs`` only ({name: path or script text})."""
-    with tempfile.TemporaryDirectory() as bin_dir:
-        os.chmod(bin_dir, 0o755)
+def readable_by_everyone(folder: str) -> bool:
+    """Every folder from the root down to ``folder`` may be entered by other users."""
+    path = Path(folder).resolve()
+    return all(os.stat(p).st_mode & 0o001 for p in (path, *path.parents))
+
+
+def as_nobody(script: str, programs: dict) -> Tuple[subprocess.CompletedProcess, str]:
+    """Run ``bash script start`` as the user nobody, with a PATH of ``programs`` only ({name: path or script
+    text}), from a fresh folder of mode 755 that holds a copy of ``script``: the clone may lie under a folder
+    other users cannot enter (a home of mode 700, ``mktemp -d``), where nobody could not read the script.
+    Returns what the run gave and the copy's resolved path."""
+    with tempfile.TemporaryDirectory() as tmp:
+        if not readable_by_everyone(os.path.dirname(tmp)):  # TMPDIR private too: nowhere to put the copy
+            pytest.skip(f"{os.path.dirname(tmp)} cannot be entered by other users: set TMPDIR to a folder that can")
+        bin_dir, copy = Path(tmp, "bin"), Path(tmp, os.path.basename(script))
+        bin_dir.mkdir()
+        for folder in (tmp, bin_dir):
+            os.chmod(folder, 0o755)
+        shutil.copyfile(script, copy)
+        os.chmod(copy, 0o755)
         for name, what in programs.items():
             if what.startswith("#!"):
                 Path(bin_dir, name).write_text(what)
                 os.chmod(Path(bin_dir, name), 0o755)
             else:
                 os.symlink(what, Path(bin_dir, name))
-        return subprocess.run(command, capture_output=True, text=True, timeout=60, user="nobody",
-                              env={"PATH": bin_dir, "PF_SLURM_DIR": "/tmp/pf-slurm-nobody"})
+        ran = subprocess.run(["/bin/bash", str(copy), "start"], capture_output=True, text=True, timeout=60,
+                             user="nobody", cwd=tmp, env={"PATH": str(bin_dir), "PF_SLURM_DIR": "/tmp/pf-slurm-nobody"})
+        return ran, os.path.realpath(copy)
 
 
 def basic_programs() -> dict:
@@ -208,7 +256,7 @@ def basic_programs() -> dict:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="running the script as another user needs root")
 def test_start_by_another_user_without_sudo_says_it_needs_root():
-    ran = as_nobody(["/bin/bash", CLUSTER, "start"], basic_programs())
+    ran, _ = as_nobody(CLUSTER, basic_programs())
     assert ran.returncode == 3
     assert "start needs root (slurmd starts jobs as their users): run it as root, or install sudo" in ran.stderr
 
@@ -217,11 +265,11 @@ def test_start_by_another_user_without_sudo_says_it_needs_root():
 def test_start_by_another_user_runs_itself_again_with_sudo():
     # a stand-in for sudo that prints the command it was given (a real one asks for a password)
     printing_sudo = '#!/bin/bash\nprintf "%s\\n" "$@"\n'
-    ran = as_nobody(["/bin/bash", CLUSTER, "start"], {**basic_programs(), "sudo": printing_sudo})
+    ran, script = as_nobody(CLUSTER, {**basic_programs(), "sudo": printing_sudo})
     assert ran.returncode == 0, ran.stderr
-    assert ran.stdout.splitlines() == [
+    assert ran.stdout.splitlines() == [  # the script's own path, resolved: the copy nobody ran
         "env", "PF_SLURM_DIR=/tmp/pf-slurm-nobody", "PF_SLURMCTLD_PORT=16817", "PF_SLURMD_PORT=16818",
-        "bash", os.path.realpath(CLUSTER), "start",
+        "bash", script, "start",
     ]
     assert "start needs root: running it with sudo" in ran.stderr
 
