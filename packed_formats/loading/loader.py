@@ -46,6 +46,7 @@ from .dataset import PackedDataset
 from .device import CudaPrefetcher, copy_then_transform, resolve_device
 from .device_decode import DeviceDecoder, check_decoder
 from .field_batches import BatchFields, refuse_batch_transforms
+from .mixture import Mixture, MixtureBackend, check_source, mixture_of
 from .resume import (
     STATE_VERSION,
     StateSpec,
@@ -171,7 +172,15 @@ class PackedLoader:
 
     @property
     def classes(self) -> List[str]:
+        """The class names labels number: the archive's, or a ``Mixture``'s (merged, or each source's own
+        after the previous sources', as its ``classes`` says)."""
         return self.reader.classes
+
+    @property
+    def mixture(self) -> Optional[MixtureBackend]:
+        """The sources of a ``Mixture`` this loader reads (``names``, ``parts``: their readers, ``draw``,
+        ``class_offsets``), or None for one archive."""
+        return mixture_of(self.reader)
 
     @property
     def epoch(self) -> int:
@@ -350,6 +359,8 @@ class PackedLoader:
         for k, batch in enumerate(batches):
             position.done = numbers[k] + 1  # batches left empty by skipped samples count as done
             index, packed = indices.popleft()  # batches come out in the order they went in, prefetched or not
+            if self.mixture is not None:  # (source, index in it) of each sample
+                index = torch.from_numpy(self.mixture.source_and_index(index.numpy()))
             if fields is not None:
                 yield self._as_dict(fields, batch, packed, index)
             else:
@@ -439,7 +450,8 @@ class PackedLoader:
     def _settings(self) -> Dict[str, Any]:
         s = self.sampler
         return {"samples": s.n, "batch_size": s.batch_size, "shuffle": s.shuffle,
-                **window_settings(s.shuffle, s.window, s.starts), "seed": s.seed, "drop_last": s.drop_last}
+                **window_settings(s.shuffle, s.window, s.starts), "seed": s.seed, "drop_last": s.drop_last,
+                "mixture_crc32": None if self.mixture is None else self.mixture.mixture_crc32}
 
     def _archive(self) -> Dict[str, Any]:
         if self._identity is None:
@@ -485,7 +497,8 @@ def make_loader(
     """A fast loader of whole ``(images, labels)`` batches from an archive.
 
     Args:
-        source: archive path (any format, auto-detected), a PackedDataset or a Reader.
+        source: archive path (any format, auto-detected), a PackedDataset, a Reader, or a
+            ``Mixture`` of several archives (each epoch a weighted draw from them; see ``Mixture``).
         batch_size, shuffle, drop_last: as for DataLoader (drop_last drops the short last batch).
             shuffle="window" is for a sharded archive read through a cache of parts smaller
             than the set: the parts are shuffled, then the samples of each ``window`` of
@@ -540,7 +553,8 @@ def make_loader(
             channels-last model).  A CPU batch is converted once, in the worker, into the
             memory it is sent in; another device converts it there.
         return_index: batches are ``(images, labels, indices)``, ``indices`` the int64 [B]
-            dataset indices of the batch's samples (on the CPU, for bookkeeping).
+            dataset indices of the batch's samples (on the CPU, for bookkeeping); of a
+            ``Mixture``, int64 [B, 2]: each sample's source and its index in that source.
         decode: where an encoded archive's JPEGs are decoded: "workers" (the default: on their
             CPUs, cropped while decoding) or "device": in this process on ``device``, batched
             (nvJPEG on a GPU), the workers only reading, checking and sending bytes; images the
@@ -584,6 +598,7 @@ def make_loader(
     check_choice("resize_mode", resize_mode, RESIZE_MODES)
     check_choice("decode", decode, DECODE_PLACES)
     shuffle, window = check_shuffle(shuffle, window)
+    check_source(source, shuffle)
     if memory_format not in MEMORY_FORMATS:
         raise ValueError(f"memory_format must be torch.contiguous_format or torch.channels_last, got {memory_format}")
     if num_workers < 0:
@@ -597,6 +612,9 @@ def make_loader(
     reader = _open_reader(source, format, verify, cache_dir=cache_dir, cache_limit=cache_limit,
                           storage_options=storage_options)
     decode_size = _check_size(reader, size)
+    mixture = mixture_of(reader)
+    if mixture is not None and fields is not None:
+        mixture.check_fields(fields)
     batch_fields = _batch_fields(reader, fields, transform, decode)
     if (rank is None) != (world_size is None):
         raise ValueError("give both rank and world_size, or neither")
@@ -609,8 +627,9 @@ def make_loader(
         check_decoder()
     # whether the workers make the batches whole (with fields they do, for any device)
     on_cpu = (device.type == "cpu" or batch_fields is not None) and send == "batches"
-    sampler = BatchSampler(len(reader), batch_size, shuffle, drop_last, seed, rank, world, window=window,
-                           starts=reader.part_starts)
+    sampler = BatchSampler(len(reader) if mixture is None else mixture.draw.samples, batch_size, shuffle, drop_last,
+                           seed, rank, world, window=window, starts=reader.part_starts,
+                           draw=None if mixture is None else mixture.draw)
     if isinstance(reader.backend, storage.RemoteSetBackend):
         if shuffle == "window" and given_max_open_parts(reader) is None:  # a batch reads up to a window and one
             reader.backend.limit_open_parts(window + 1)  # parts: closing one mid-batch only to open it again
@@ -738,15 +757,21 @@ def _already_a_batch(item: Any) -> Any:
 
 def _open_reader(source: Any, format: Optional[str], verify: VerifyPolicy, **remote: Any) -> Reader:
     """A Reader of ``source`` of its own, applying ``verify`` (and, for a URL, the cache options ``remote``)."""
+    if isinstance(source, Mixture):
+        return source.open(verify, format=format, **remote)
     reader = getattr(source, "reader", source)
+    if isinstance(reader, Reader) and mixture_of(reader) is not None:  # a PackedDataset of a Mixture
+        return mixture_of(reader).reopen(verify)  # type: ignore[union-attr]
     if isinstance(reader, Reader):
-        if getattr(source, "transform", None) is not None:
-            raise ValueError("make_loader applies batch transforms: pass transform= to make_loader, not the dataset")
+        if getattr(source, "transform", None) is not None or getattr(source, "_joint", None) is not None:
+            raise ValueError("make_loader applies batch transforms: pass transform= to make_loader, not the dataset "
+                             "(its transform or transforms)")
         return open_archive(reader.path, format=reader.format_name, verify=verify,
                             max_open_parts=given_max_open_parts(reader), **storage.reopen_options(reader))
     if isinstance(source, (str, os.PathLike)):
         return open_archive(source, format=format, verify=verify, **remote)
-    raise TypeError(f"make_loader needs an archive path, a PackedDataset or a Reader, got {type(source).__name__}")
+    raise TypeError(f"make_loader needs an archive path, a PackedDataset, a Reader or a Mixture, got "
+                    f"{type(source).__name__}")
 
 
 def _check_size(reader: Reader, size: Optional[Union[int, Tuple[int, int]]]) -> Optional[Tuple[int, int]]:
