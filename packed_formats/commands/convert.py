@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import sys
 import warnings
@@ -13,6 +14,7 @@ from ..backends import PACKED_FORMATS
 from ..manifest import MODES
 from ..policy import RESIZE_MODES
 from ..sources import source_formats
+from ..sources.python import PythonSource
 from ..storage.urls import redact
 from ..writing.convert import ON_ERROR, ConversionInterrupted, ConvertSummary, convert
 from ..writing.parts import parse_part
@@ -31,11 +33,13 @@ EXAMPLES = """examples:
   packed-formats convert ILSVRC2012_img_train.tar train.lmdb --mode raw --size 64   # a tar of per-class tars
   packed-formats convert 'shards-{000..009}.tar' train.zip --label-key cls    # webdataset shards
   packed-formats convert data.h5 train.memmap --mode raw --image-key images --label-key labels
-  packed-formats convert cifar10/ train.zip --split train   # Hub parquet shards (huggingface-cli download)
-  packed-formats convert saved/ train.zip --image-column img --label-column fine_label   # save_to_disk
+  packed-formats convert cifar10/ train.zip --split train   # Hub parquet shards (hf download)
+  packed-formats convert saved/ train.zip --split train --image-column img --label-column fine_label   # save_to_disk
   packed-formats convert images/ train.zip --shard-size 50000 --part 3/50   # task 3 of 50: its parts only
   packed-formats convert images/ train.zip --shard-size 50000 --part auto   # in a Slurm array job (--array=0-49)
   packed-formats join train.zip                                             # the index, once every part is sealed
+  packed-formats convert --python mypkg.data:make_train_set train.zip --python-arg split=train \
+      --shard-size 10000 --part $SLURM_ARRAY_TASK_ID/16        # a Python dataset: make_train_set(split="train")
 
 sources (found from the content; --source-format names one): root/<class>/<image> (classes = sorted
 folder names); a flat folder with --labels FILE (one integer per line in sorted file order, or CSV
@@ -44,12 +48,14 @@ stylegan2-ada dataset.json; a tar of per-class tars; webdataset shards; an HDF5 
 labels; an LMDB of pickled records (--allow-pickle); Hugging Face parquet shards or save_to_disk
 folders (pyarrow: the 'hub' extra); a CSV/JSON list of path,label; or any archive this tool writes.
 Keys, labels and order are those of the extracted folder.
-Non-image files are skipped and counted; a corrupt image stops the conversion unless --on-error skip.
+Files that are no jpg/png/ppm/bmp/pgm/tif/webp image (a GIF, a text file) are skipped: the summary names
+the first ones, --verbose all; a corrupt image stops the conversion unless --on-error skip.
 Nothing appears at DST until the archive is complete and checked; Ctrl-C leaves DST untouched."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("src", metavar="SRC", nargs="+", help="dataset to read (several: webdataset shards)")
+    parser.add_argument("src", metavar="SRC", nargs="*", help="dataset to read (several: webdataset shards; none "
+                        "with --python)")
     parser.add_argument("dst", metavar="DST", help="archive to write (with --shard-size: the index)")
     parser.add_argument("--format", choices=PACKED_FORMATS, help="archive format (default: from DST's extension)")
     parser.add_argument("--mode", choices=MODES, default="encoded", help="raw pixels or encoded bytes")
@@ -72,7 +78,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--on-error", choices=ON_ERROR, default="raise", help="on an unreadable image (default raise)")
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
+    parser.add_argument("--verbose", action="store_true", help="name every file skipped in the summary line")
     add_source_arguments(parser)
+    group = parser.add_argument_group("a Python dataset instead of SRC")
+    group.add_argument("--python", metavar="MODULE:FUNCTION", help="read the map-style dataset FUNCTION() returns "
+                       "(imported from MODULE, and made again in each worker process)")
+    group.add_argument("--python-arg", action="append", metavar="KEY=VALUE", default=[],
+                       help="a keyword argument of --python's FUNCTION, repeatable (VALUE a Python literal, else a "
+                       "string)")
 
 
 def add_source_arguments(parser: argparse.ArgumentParser) -> None:
@@ -128,13 +141,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"packed-formats convert: {exc}; nothing was written to {redact(str(args.dst))}", file=sys.stderr)
         return 128 + exc.signum
     if not args.quiet:
-        print(summary.line())
+        print(summary.line(verbose=args.verbose))
     return 0
 
 
 def _convert(args: argparse.Namespace) -> ConvertSummary:
     return convert(
-        source_argument(args.src),
+        _python_source(args) if args.python else source_argument(_paths(args.src)),
         args.dst,
         format=args.format,
         mode=args.mode,
@@ -153,6 +166,28 @@ def _convert(args: argparse.Namespace) -> ConvertSummary:
         unscaled=args.unscaled,
         **source_options(args),
     )
+
+
+def _paths(paths: List[str]) -> List[str]:
+    if not paths:
+        raise ValueError("give the dataset to read (SRC), or --python MODULE:FUNCTION")
+    return paths
+
+
+def _python_source(args: argparse.Namespace) -> PythonSource:
+    """The dataset of ``--python MODULE:FUNCTION``, made with the ``--python-arg``s."""
+    if args.src:
+        raise ValueError(f"--python reads a Python dataset: give no SRC ({args.src[0]})")
+    kwargs: Dict[str, Any] = {}
+    for text in args.python_arg:
+        key, equals, value = text.partition("=")
+        if not equals or not key.isidentifier():
+            raise ValueError(f"--python-arg takes KEY=VALUE (as split=train), got {text!r}")
+        try:
+            kwargs[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            kwargs[key] = value
+    return PythonSource.from_spec(args.python, kwargs)
 
 
 def _part(text: str):

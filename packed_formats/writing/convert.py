@@ -46,10 +46,11 @@ from ..handles import pid_alive
 from ..manifest import MODES
 from ..policy import RESIZE_MODES
 from ..sources import Source, SourcePath, open_source
-from ..sources.base import SourceWarning
+from ..sources.base import SourceWarning, describe_skipped
 from ..space import archive_bytes, check_free_space, disk_usage, human_bytes
 from .parallel import WorkerDiedError, available_cores, ordered_map
 from .prepare import Recipe, parse_size
+from .python_tasks import as_python_source, open_python, worker_task
 
 ON_ERROR = ("raise", "skip")
 _TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.pf-tmp-(?P<pid>\d+)-[0-9a-f]{8}(-old)?$")
@@ -75,7 +76,7 @@ class ConvertSummary:
         source, destination: the paths read and written.
         format, mode: the archive's format and mode ("raw" or "encoded").
         samples, classes: how many samples and classes were packed.
-        skipped: non-image files left out of the source.
+        skipped: files of the source left out, no image of a kind read (``skipped_names``: the first of them).
         failed: unreadable images skipped with ``on_error="skip"``, as "path: problem".
         bytes: the size on disk of everything written.
         seconds: how long the conversion took (``samples_per_second`` follows).
@@ -97,24 +98,26 @@ class ConvertSummary:
     layout: str  # "raw 128x128x3" or "encoded jpeg"
     parts: List[str] = dataclasses.field(default_factory=list)  # shard files (empty when not sharded)
     note: str = ""  # what else happened (a part of a set: which parts, and whether the set was joined)
+    skipped_names: List[str] = dataclasses.field(default_factory=list)  # the first files left out, to name them
 
     @property
     def samples_per_second(self) -> float:
         return self.samples / self.seconds if self.seconds > 0 else float("inf")
 
-    def line(self) -> str:
-        """The one-line summary the command line prints."""
+    def line(self, verbose: bool = False) -> str:
+        """The one-line summary the command line prints: the first files skipped named (``verbose``: all kept)."""
         shards = f" in {len(self.parts)} parts" if self.parts else ""
+        skipped = describe_skipped(self.skipped, self.skipped_names, None if verbose else 5, "--verbose lists them")
         return (
             f"wrote {self.destination} ({self.format}, {self.layout}{shards}): {self.samples} samples, "
-            f"{self.classes} classes, {self.skipped} non-image files skipped, {len(self.failed)} bad images skipped, "
-            f"{human_bytes(self.bytes)}, {self.seconds:.1f} s ({self.samples_per_second:.0f} samples/s)"
+            f"{self.classes} classes, {len(self.failed)} bad images skipped, "
+            f"{human_bytes(self.bytes)}, {self.seconds:.1f} s ({self.samples_per_second:.0f} samples/s); {skipped}"
             + (f"; {self.note}" if self.note else "")
         )
 
 
 def convert(
-    src: SourcePath,
+    src: "SourcePath | Any",
     dst: "str | os.PathLike[str]",
     *,
     format: Optional[str] = None,
@@ -138,6 +141,8 @@ def convert(
     fields: Sequence[Any] = (),
     boxes: "Mapping[str, str] | Sequence[str]" = (),
     unscaled: Sequence[str] = (),
+    inputs: Optional[Sequence[Any]] = None,
+    classes: Optional[Sequence[str]] = None,
 ) -> ConvertSummary:
     """Pack ``src`` into ``dst``, reading ``src`` where it is (nothing is extracted).
 
@@ -149,7 +154,10 @@ def convert(
     of images + labels, an LMDB of pickled records, or a CSV/JSON list of
     ``path,label``.  The kind is found from the content (see
     ``packed_formats.sources``); samples, keys and labels are those of the
-    extracted folder.
+    extracted folder.  ``src`` may also be Python code's samples: a map-style
+    dataset (a torch or torchvision dataset, a ``datasets.Dataset``, a list),
+    ``fn`` with ``inputs`` (``fn(input)`` makes a sample, or None to leave the
+    input out), or a ``sources.python.PythonSource`` (see there for the items).
 
     Args:
         format: zip, hdf5, lmdb or memmap (default: from dst's extension).
@@ -184,6 +192,9 @@ def convert(
             ``--boxes``).  A resize moves, scales and clamps them with the image.
         unscaled: array fields whose values do not depend on where things are in the image (per-box
             labels, scores, ids; ``--unscaled``): a resize keeps them as they are.
+        inputs: what ``src``, a function, is called with (one sample each).
+        classes: a Python source's class names, in label order (default: its ``classes`` attribute, a
+            ``datasets`` ClassLabel's names, else the sorted label values).
 
     Raises:
         PackedFormatError (bad source, destination inside the source or
@@ -192,7 +203,12 @@ def convert(
         ConversionInterrupted / KeyboardInterrupt.
     """
     fields, box_formats, unscaled = tuple(fields), parse_boxes(boxes), tuple(unscaled)
-    if _any_remote(src) or storage.is_remote(os.fspath(dst)):
+    _check_extension(os.fspath(dst), format)
+    python = as_python_source(src, inputs, classes)  # None: src is a path (or paths)
+    if python is not None and storage.is_remote(os.fspath(dst)):
+        raise ValueError("a Python dataset is packed into a local archive, so far: upload it after "
+                         "(packed_formats.storage.upload)")
+    if python is None and (_any_remote(src) or storage.is_remote(os.fspath(dst))):
         if fields or box_formats or unscaled:
             raise ValueError("fields are packed from local sources into local archives, so far")
         options = dict(format=format, mode=mode, size=size, resize_mode=resize_mode, quality=quality,
@@ -207,17 +223,17 @@ def convert(
     dst = os.fspath(dst)
     format = _check_options(dst, format, mode, resize_mode, quality, encoding, on_error, shard_size)
     workers = available_cores() if workers is None else int(workers)
-    if workers < 1:
+    if workers < (0 if python is not None else 1):  # a Python source's 0: its items made in this process
         raise ValueError(f"workers must be at least 1, got {workers}")
-    shown = _shown(src)
+    shown = python.path if python is not None else _shown(src)
     if part is not None:
         _check_part_options(dst, shard_size, overwrite)
-    for path in _source_paths(src):
+    for path in _source_paths(src) if python is None else [None]:  # a Python source: the destination alone
         _check_destination(path, dst, overwrite or part is not None)
     if part is None:  # a task of a set cleans only its own parts' (another node's writers may be alive)
         clean_stale_temp_files(dst)
     replaced_parts = existing_parts(dst) if overwrite else []
-    source = open_source(
+    source = open_python(python, fields, on_error, mode, size, part) if python is not None else open_source(
         src, labels, subdir=subdir, source_format=source_format, label_key=label_key, image_key=image_key,
         allow_pickle=allow_pickle, on_error=on_error, fields=fields,
     )
@@ -251,6 +267,7 @@ def convert(
         samples=written,
         classes=len(source.classes),
         skipped=source.skipped,
+        skipped_names=source.skipped_names,
         failed=failed,
         bytes=disk_usage(dst),
         seconds=time.perf_counter() - started,
@@ -305,7 +322,7 @@ def _convert_part(source: Source, shown: str, dst: str, format: str, recipe: Rec
     h, w = recipe.size or (0, 0)
     return ConvertSummary(
         source=shown, destination=dst, format=format, mode=recipe.mode, samples=written,
-        classes=len(source.classes), skipped=source.skipped, failed=failed,
+        classes=len(source.classes), skipped=source.skipped, skipped_names=source.skipped_names, failed=failed,
         bytes=sum(disk_usage(p) for p in done), seconds=time.perf_counter() - started,
         layout=f"raw {h}x{w}x3" if recipe.mode == "raw" else f"encoded {_encoding_label(recipe)}",
         parts=done, note=note,
@@ -321,13 +338,17 @@ def _run(source, dst, format, recipe, workers, shard_size, overwrite, on_error, 
     """
     for failure in source.failed:  # samples the source left out while listing (on_error="skip")
         tqdm.write(f"skipped: {failure}", file=sys.stderr)
-    if source.random_access:
-        mapped = ordered_map(_prepare_sample, (source, recipe), len(source), workers)
+    python = worker_task(source, workers)  # a Python source's items: each sample's label comes with it
+    if python is not None:
+        mapped = ordered_map(python[0], (source, recipe), len(source), workers, start_method=python[1])
+    elif source.random_access:
+        mapped = ordered_map(_prepare_sample, (source, recipe), len(source), workers, runs=source.runs())
     else:
         mapped = ordered_map(_prepare_item, (recipe, source.fields), len(source), workers, items=_payloads(source))
     with mapped as results:
         output = _open_output(dst, format, recipe, source, shard_size, overwrite, on_error)
-        with output, tqdm(total=len(source), unit="img", desc="converting", disable=quiet, smoothing=0.05) as bar:
+        total = getattr(source, "known_length", len(source))  # None: an iterable's, counted up
+        with output, tqdm(total=total, unit="img", desc="converting", disable=quiet, smoothing=0.05) as bar:
             failed = source.failed + _append_all(results, source, output, on_error, bar)
             if len(output) == 0:
                 raise InvalidSourceError(source.path, "no image could be converted", hint="see the errors above")
@@ -339,16 +360,19 @@ def _append_all(results: Iterator[Any], source: Source, output: Any, on_error: s
     failed: List[str] = []
     alpha, first_alpha = 0, ""  # a count and one key: never a list as long as the dataset
     try:
-        for i, (ok, value, dropped_alpha) in enumerate(results):
+        for i, (ok, value, dropped_alpha, *label) in enumerate(results):  # a Python source's label follows
             bar.update(1)
+            if ok is None:  # a Python function left this input out
+                continue
             if dropped_alpha:
                 first_alpha = first_alpha if alpha else source.key(i)
                 alpha += 1
             if ok:
+                number = int(label[0] if label else source.labels[i])
                 if source.fields:  # (stored image, {field: value})
-                    output.add(value[0], int(source.labels[i]), source.key(i), fields=value[1])
+                    output.add(value[0], number, source.key(i), fields=value[1])
                 else:
-                    output.add(value, int(source.labels[i]), source.key(i))
+                    output.add(value, number, source.key(i))
             elif on_error == "raise":
                 raise value
             else:  # skipped as asked: the error's advice (fix it, or skip it) is moot
@@ -518,6 +542,20 @@ def _encoding_label(recipe: Recipe) -> str:
     return f"{recipe.encoding} {h}x{w}"
 
 
+def _check_extension(dst: str, format: Optional[str]) -> None:
+    """ValueError when ``dst``'s extension is that of another format than ``format`` (``x.zip`` for hdf5): an
+    archive named as another format misleads every tool and person who meets it later."""
+    extension = os.path.splitext(dst.rstrip("/"))[1].lower()
+    named = EXTENSIONS.get(extension)
+    if format is None or named is None or named == format:
+        return
+    theirs = [e for e, f in EXTENSIONS.items() if f == format]
+    stem = os.path.splitext(os.path.basename(dst.rstrip("/")))[0]
+    suggested = f"name it {stem}{theirs[0]}" if theirs else "give it another extension"
+    raise ValueError(f"{dst}: {extension} names a {named} archive, but the format asked is {format} (--format "
+                     f"{format}): {suggested} to write {format}, or leave out --format to write {named}")
+
+
 def _check_options(dst, format, mode, resize_mode, quality, encoding, on_error, shard_size) -> str:
     if format is None:
         format = EXTENSIONS.get(os.path.splitext(dst)[1].lower())
@@ -540,12 +578,13 @@ def _check_options(dst, format, mode, resize_mode, quality, encoding, on_error, 
     return format
 
 
-def _check_destination(src: str, dst: str, overwrite: bool) -> None:
-    """Refuse to write over the source (or a folder holding it), inside it, or over anything without overwrite."""
-    real_src, real_dst = os.path.realpath(src), os.path.realpath(dst)
-    if real_src == real_dst or real_src.startswith(real_dst.rstrip(os.sep) + os.sep):
+def _check_destination(src: Optional[str], dst: str, overwrite: bool) -> None:
+    """Refuse to write over the source (or a folder holding it), inside it, or over anything without overwrite
+    (``src`` None: a source with no path, a Python dataset)."""
+    real_src, real_dst = None if src is None else os.path.realpath(src), os.path.realpath(dst)
+    if real_src is not None and (real_src == real_dst or real_src.startswith(real_dst.rstrip(os.sep) + os.sep)):
         raise DestinationError(dst, "the destination is the source (or contains it)", hint="choose another path")
-    if real_dst.startswith(real_src.rstrip(os.sep) + os.sep):
+    if real_src is not None and real_dst.startswith(real_src.rstrip(os.sep) + os.sep):
         raise DestinationError(
             dst, f"the destination is inside the source {src}: it would be read as part of it",
             hint="write it outside the source folder",

@@ -34,6 +34,7 @@ _WATCH_SECONDS = 0.5
 SPILL_ROOT = "/dev/shm"
 SPILL_PREFIX = "packed-formats-convert-"
 _SPILL_BYTES = 1 << 15  # arrays at least this large skip the pipe
+_RUN_CHUNK = 128  # the most indices sent as one chunk along runs (a parquet row group: 100)
 
 
 def available_cores() -> int:
@@ -60,9 +61,20 @@ def _init_worker(function: Callable[[Any, int], Any], context: Any, parent: int)
 
 
 def _exit_when_orphaned(parent: int) -> None:
-    while os.getppid() == parent:
+    watched = os.getppid()  # the main process; under forkserver, the server it started (which ends with it)
+    while os.getppid() == watched and (watched == parent or _alive(parent)):
         time.sleep(_WATCH_SECONDS)
     os._exit(1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _run_chunk(
@@ -164,17 +176,21 @@ def _remove_orphaned_spills() -> None:
 @contextlib.contextmanager
 def ordered_map(
     function: Callable[[Any, Any], Any], context: Any, count: int, workers: int, chunk_size: int = 0,
-    items: Optional[Iterator[Any]] = None,
+    items: Optional[Iterator[Any]] = None, start_method: Optional[str] = None, runs: Optional[Sequence[int]] = None,
 ) -> Iterator[Iterator[Any]]:
     """Yield an iterator of ``function(context, i)`` for i in range(count), in order.
 
     ``function`` must be a module-level function; ``context`` is handed to each
     worker once.  With ``items`` (``count`` values this process reads in order,
     such as the members of a compressed tar), call i gets the i-th item instead
-    of i.  At most ``2 * workers + 1`` chunks are in flight.  With ``workers <= 1``
+    of i.  With ``runs`` (the first index of each run of indices that the
+    function reads together, ascending from 0: a row group of a parquet file)
+    a chunk is a whole run where it can be (``_run_chunks``), so no two workers
+    read the same run.  At most ``2 * workers + 1`` chunks are in flight.  With ``workers <= 1``
     everything runs in this process.  The workers are started on entry (before
     the caller opens any output file, so they inherit none) and are gone on
-    leaving the block, however it is left.
+    leaving the block, however it is left.  ``start_method``: how they start
+    (fork, spawn, forkserver; default: fork where there is fork).
 
     Raises:
         WorkerDiedError: a worker process was killed (e.g. by the out-of-memory killer).
@@ -183,22 +199,48 @@ def ordered_map(
     if workers <= 1 or count <= 1:
         yield (function(context, a) for a in arguments)
         return
-    chunk_size = chunk_size or max(1, min(16, count // (16 * workers)))  # small chunks: even finish
+    if runs is not None and items is None:
+        pieces: Iterator[List[Any]] = _run_chunks(runs, count, workers)
+    else:
+        chunk_size = chunk_size or max(1, min(16, count // (16 * workers)))  # small chunks: even finish
+        pieces = iter(lambda: list(itertools.islice(arguments, chunk_size)), [])
     with _spill_directory() as spill_dir:
         executor = ProcessPoolExecutor(
             workers,
-            mp_context=multiprocessing.get_context(_start_method()),
+            mp_context=multiprocessing.get_context(start_method or _start_method()),
             initializer=_init_worker,
             initargs=(function, context, os.getpid()),
         )
         try:
-            chunks = enumerate(iter(lambda: list(itertools.islice(arguments, chunk_size)), []))
+            chunks = enumerate(pieces)
             pending: collections.deque = collections.deque()
             for number, chunk in itertools.islice(chunks, 2 * workers + 1):
-                pending.append(executor.submit(_run_chunk, number, chunk, spill_dir))
+                pending.append(_submit(executor, number, chunk, spill_dir))
             yield _drain(executor, chunks, pending, spill_dir)
         finally:
             executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _run_chunks(runs: Sequence[int], count: int, workers: int) -> Iterator[List[int]]:
+    """The chunks of indices 0 .. count - 1 along ``runs``: whole runs, short ones together, up to ``longest``
+    indices; a longer run is cut in even pieces.  ``longest`` is at least the plain chunks' 16, at most
+    ``_RUN_CHUNK`` (what is in flight stays bounded) and a share of two chunks per worker (a few long runs
+    must not leave workers idle).  Every index comes once, in order, whatever ``runs`` holds."""
+    longest = max(16, min(_RUN_CHUNK, count // (2 * workers)))
+    start = stop = 0  # the chunk being gathered: start .. stop - 1
+    for bound in itertools.chain((int(r) for r in runs), [count]):
+        bound = min(bound, count)
+        if bound <= stop:
+            continue
+        if bound - start > longest and stop > start:  # the next run does not fit beside what is gathered
+            yield list(range(start, stop))
+            start = stop
+        pieces = -(-(bound - start) // longest)
+        for k in range(pieces - 1):  # a run longer than a chunk: even pieces, the last one kept gathering
+            yield list(range(start + (bound - start) * k // pieces, start + (bound - start) * (k + 1) // pieces))
+        start, stop = start + (bound - start) * (pieces - 1) // pieces, bound
+    if stop > start:
+        yield list(range(start, stop))
 
 
 class WorkerDiedError(RuntimeError):
@@ -208,11 +250,25 @@ class WorkerDiedError(RuntimeError):
 def _drain(executor: ProcessPoolExecutor, chunks: Iterator[Tuple[int, list]], pending: collections.deque,
            spill_dir: Optional[str]) -> Iterator[Any]:
     while pending:
+        future = pending[0][0]
         try:
-            results = _restore(*pending.popleft().result())
+            results = _restore(*future.result())
         except BrokenProcessPool:
-            raise WorkerDiedError("a conversion worker process died (out of memory?)") from None
+            held = [(a, b) for _, a, b in pending if a is not None]
+            which = f" while it held one of samples {held[0][0]}-{max(b for _, b in held)}" if held else ""
+            raise WorkerDiedError(f"a conversion worker process died{which} (killed, out of memory, or a crash "
+                                  "in the code it ran)") from None
+        pending.popleft()
         following = next(chunks, None)
         if following is not None:
-            pending.append(executor.submit(_run_chunk, following[0], following[1], spill_dir))
+            pending.append(_submit(executor, following[0], following[1], spill_dir))
         yield from results
+
+
+def _submit(executor: ProcessPoolExecutor, number: int, chunk: list, spill_dir: Optional[str]
+            ) -> Tuple[Any, Optional[int], Optional[int]]:
+    """(the future of chunk ``number``, its first and last sample index when its arguments are indices)."""
+    future = executor.submit(_run_chunk, number, chunk, spill_dir)
+    indices = [a if isinstance(a, int) else a[0] if isinstance(a, tuple) and a and isinstance(a[0], int) else None
+               for a in (chunk[0], chunk[-1])]
+    return future, indices[0], indices[1]
