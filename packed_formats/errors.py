@@ -233,6 +233,11 @@ class InvalidSourceError(PackedFormatError):
     """
 
 
+class MixtureError(PackedFormatError, ValueError):
+    """The sources of a ``Mixture`` do not mix: raw ones of other shapes, an empty one, or one that lacks a
+    field asked for."""
+
+
 class RemoteError(PackedFormatError):
     """An archive in object storage (s3://, gs://, https://) could not be reached as it should.
 

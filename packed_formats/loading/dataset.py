@@ -28,6 +28,7 @@ from ..handles import ProcessLocal
 from ..index import SampleIndex, decode_key
 from ..tracebacks import drops_frames
 from . import sample_fields
+from .mixture import Mixture
 
 OUTPUTS = ("tensor", "pil", "numpy")
 _CHUNK = 1 << 16  # rows converted to Python objects at a time when a view is iterated
@@ -49,7 +50,9 @@ class PackedDataset(torch.utils.data.Dataset):
 
     Args:
         source: archive path (format auto-detected; ``~`` expanded as ImageFolder
-            does) or an open Reader.
+            does), an open Reader, or a ``Mixture``: its sources' samples end to end (source 0's
+            first), labelled with the mixture's classes (its weights are a loader's draw:
+            ``make_loader``).
         transform: applied to the image (with ``fields``: to the whole item, below); a plain
             attribute that may be set after construction.
         target_transform: applied to the label alone; a plain attribute too.
@@ -79,7 +82,7 @@ class PackedDataset(torch.utils.data.Dataset):
     @drops_frames
     def __init__(
         self,
-        source: "str | os.PathLike[str] | Reader",
+        source: "str | os.PathLike[str] | Reader | Mixture",
         transform: Optional[Callable] = None,
         target_transform: Optional[Callable] = None,
         output: str = "pil",
@@ -97,7 +100,10 @@ class PackedDataset(torch.utils.data.Dataset):
         if transforms is not None and (transform is not None or target_transform is not None):
             raise ValueError("give transforms or transform/target_transform, not both (as torchvision's datasets)")
         self._joint = transforms
-        if not isinstance(source, Reader):
+        if isinstance(source, Mixture):  # its sources end to end, labels the mixture's (no draw: the sampler's)
+            source = source.open(verify, format=format, cache_dir=cache_dir, cache_limit=cache_limit,
+                                 storage_options=storage_options)
+        elif not isinstance(source, Reader):
             source = open_archive(os.path.expanduser(os.fspath(source)), format=format, verify=verify,
                                   cache_dir=cache_dir, cache_limit=cache_limit, storage_options=storage_options)
         self.reader = source

@@ -560,7 +560,7 @@ def make_loader(
             (nvJPEG on a GPU), the workers only reading, checking and sending bytes; images the
             device's decoder does not take (PNG, WebP, CMYK) the workers still decode.  The
             crops and flips drawn are the same either way.  On the CPU, "device" decodes in
-            this process with torchvision's decoder.
+            this process with the same decoder (TorchCodec's, else torchvision's: ``image_decode``).
         cache_dir, cache_limit, storage_options: for a URL (``s3://``, ``gs://``, ``https://``): the
             node-local cache its parts are read through, its bound ("200GB"), and fsspec's options
             (see ``open_archive``).  The parts the next batches read are fetched ahead, four at a
@@ -708,14 +708,14 @@ def _what_workers_send(reader: Reader, decode: str, device: torch.device, transf
 
 def _naming_dead_workers(batches: Iterator, path: str) -> Iterator:
     """``batches``, with the failure a killed worker causes (torch's RuntimeError, or a
-    ConnectionResetError when it died while handing a batch over) named as a ``DataLoaderWorkerError``:
-    which worker, its pid and the signal."""
+    ConnectionResetError or a slot's lost handover when it died while handing a batch over) named as a
+    ``DataLoaderWorkerError``: which worker, its pid and the signal."""
     while True:
         try:
             item = next(batches)
         except StopIteration:
             return
-        except (RuntimeError, ConnectionError, EOFError) as exc:
+        except (RuntimeError, ConnectionError, EOFError, slots.HandoverError) as exc:
             looks_dead = not isinstance(exc, RuntimeError) or "DataLoader worker" in str(exc)
             dead = _killed_workers(batches) if looks_dead else []
             if not dead:

@@ -38,7 +38,7 @@ POSITION_FIELDS = ("epoch", "start", "world_size", "first_batch")
 ARCHIVE_FIELDS = ("name", "count", "classes", "classes_crc32", "labels_crc32")  # of ``archive_identity``
 # settings a state leaves out at this value (so older versions read it), and that older states lack:
 # those of shuffle="window" (``window_settings``)
-OPTIONAL_SETTINGS: Mapping[str, Any] = {"window": None, "parts_crc32": None}
+OPTIONAL_SETTINGS: Mapping[str, Any] = {"window": None, "parts_crc32": None, "mixture_crc32": None}
 
 
 def archive_identity(reader: Reader) -> Dict[str, Any]:
@@ -153,12 +153,28 @@ def _check_setting(state: Mapping[str, Any], name: str, value: Any, kind: str) -
         fits, expected = _is_int(saved), "an integer"
     if not fits:
         raise ValueError(f"the {kind} state's {name} must be {expected}, got {saved!r}")
+    if name == "mixture_crc32" and saved != value:
+        raise ValueError(
+            f"cannot resume: the state was saved for {_what_mixture(saved, state)}, this {kind} reads "
+            f"{'a Mixture of another draw' if value is not None else 'one archive'}; its draw of the epoch would "
+            "not be the interrupted run's (use the same Mixture: the same sources in the same order, weights, "
+            "replacement, classes and samples_per_epoch, or start the epoch over)"
+        )
     if saved != value:
         raise ValueError(
             f"cannot resume: the state was saved with {name}={saved!r}, this {kind} has "
             f"{name}={value!r}; the rest of the epoch would not be the samples the interrupted run "
             f"had left (use the same {name}, or start the epoch over)"
         )
+
+
+def _what_mixture(saved: Optional[int], state: Mapping[str, Any]) -> str:
+    """What a state's ``mixture_crc32`` (and its archive's name) says it was saved for, in words."""
+    archive = state.get("archive")
+    name = archive.get("name") if isinstance(archive, Mapping) else None
+    if saved is None:
+        return f"one archive ({name!r})"
+    return f"a Mixture ({name!r}, draw crc32 {saved:08x})" if name else f"a Mixture (draw crc32 {saved:08x})"
 
 
 def _check_archive_field(saved: Any, spec: StateSpec) -> None:

@@ -229,16 +229,20 @@ class BatchSampler(torch.utils.data.Sampler):
     (``call_on_set_epoch``) decides what it means for a pass under way or resumed.
     ``shuffle`` is True, False or "window" (``window_order`` of ``window`` parts
     of those whose first samples are ``starts``; None: one part, ``[0, n]``).
+    ``draw`` (a mixture's: ``draw(epoch, seed, shuffle)``) gives the epoch's global order
+    of ``n`` positions in place of ``epoch_order``; it is split over ranks the same way.
     """
 
     def __init__(self, n: int, batch_size: int, shuffle: Shuffle, drop_last: bool, seed: int, rank: int,
-                 world_size: int, *, window: int = DEFAULT_WINDOW, starts: Optional[np.ndarray] = None) -> None:
+                 world_size: int, *, window: int = DEFAULT_WINDOW, starts: Optional[np.ndarray] = None,
+                 draw: Optional[Callable[[int, int, Shuffle], np.ndarray]] = None) -> None:
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         self.shuffle, self.window = check_shuffle(shuffle, window)
         self.n, self.batch_size, self.drop_last = n, batch_size, drop_last
         self.starts = np.array([0, n], dtype=np.int64) if starts is None else starts
         self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.draw = draw
         self.epoch = 0
         self.start, self.first_batch, self.skip = 0, 0, 0
         self._on_set_epoch: Optional[weakref.WeakMethod[Callable[[int], None]]] = None
@@ -280,6 +284,9 @@ class BatchSampler(torch.utils.data.Sampler):
             world_size=self.world_size, drop_last=self.drop_last, start=self.start, starts=self.starts,
             window=self.window,
         )
+        if self.draw is not None:
+            order_of = functools.partial(_drawn_share, self.draw, self.epoch, self.seed, self.shuffle, self.start,
+                                         self.rank, self.world_size, self.drop_last)
         return self._plans(self.epoch, self.first_batch, self.skip, order_of)
 
     def _plans(self, epoch: int, first_batch: int, skip: int, order_of: Callable[[], np.ndarray]
@@ -304,6 +311,12 @@ class BatchSampler(torch.utils.data.Sampler):
     def __len__(self) -> int:
         """Batches the next iteration yields."""
         return max(0, self.split_batches(self.start) - self.skip)
+
+
+def _drawn_share(draw: Callable[[int, int, Shuffle], np.ndarray], epoch: int, seed: int, shuffle: Shuffle,
+                 start: int, rank: int, world_size: int, drop_last: bool) -> np.ndarray:
+    """This rank's share of a drawn epoch order from position ``start`` on (as ``shard_indices`` splits one)."""
+    return split_order(draw(epoch, seed, shuffle)[start:], rank=rank, world_size=world_size, drop_last=drop_last)
 
 
 def rank_and_world_size(distributed: Optional[bool]) -> Tuple[int, int]:
