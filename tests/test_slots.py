@@ -495,3 +495,29 @@ def test_an_environment_variable_turns_the_slots_off(archive, monkeypatch):
     loader = pf.make_loader(archive, batch_size=BATCH, num_workers=2, multiprocessing_context="fork")
     assert isinstance(loader.batch_reader.pool, SlotPool)
     assert sum(len(labels) for _, labels in loader) == N
+
+
+def test_a_slot_lost_with_its_dying_worker_names_the_worker():
+    """A worker killed while its batch is on the way: the main process cannot take the slot's memory over (the
+    worker's descriptor sharer is gone), and may see that before the worker is reaped.  The error names the dead
+    worker, as torch's own report of it is named."""
+    import multiprocessing
+
+    from packed_formats.loading.loader import _naming_dead_workers
+
+    worker = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+    worker.start()
+
+    class Batches:
+        _workers = [worker]
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            os.kill(worker.pid, signal.SIGKILL)  # dies as its batch is received: reaped only later
+            raise slots.HandoverError("set.zip", "cannot map DataLoader worker 0's batch slot 0: ConnectionResetError")
+
+    with pytest.raises(pf.DataLoaderWorkerError, match=f"worker 0, pid {worker.pid}, killed by SIGKILL"):
+        next(_naming_dead_workers(Batches(), "set.zip"))
+    worker.join()

@@ -89,6 +89,11 @@ def capacity_for(nbytes: int) -> int:
     return _round_up(_round_up(nbytes, ALIGN) + max(INLINE_MAX, nbytes >> 5), PAGE)
 
 
+class HandoverError(PackedFormatError):
+    """A slot's memory could not be taken over from its worker: the worker died while its batch was on the
+    way, or its descriptor sharer refused.  The loader names a dead worker instead (``DataLoaderWorkerError``)."""
+
+
 class BatchSlots:
     """The shared-memory slots DataLoader workers send their batches in, and the main process's mappings.
 
@@ -455,7 +460,7 @@ class Receiver:
             finally:
                 os.close(fd)
         except (OSError, EOFError, ProcessError) as exc:  # the worker gone, or its sharer refusing us
-            raise PackedFormatError(
+            raise HandoverError(
                 self.path, f"cannot map {where}: {type(exc).__name__}: {exc}",
                 hint="the worker may have stopped while its batch was on the way: start the pass again") from None
         registered = self.cuda is not None and _register(array, self.cuda)
