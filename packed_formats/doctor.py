@@ -162,21 +162,26 @@ def _torchvision_unchecked() -> Dict[str, Any]:
         version: Optional[str] = metadata.version("torchvision")
     except metadata.PackageNotFoundError:
         version = None
-    return {"torchvision_version": version, "torchvision_decode_jpeg": None, "torchvision_error": None}
+    return {"torchvision_version": version, "torchvision_decode_jpeg": None, "torchvision_error": None,
+            "image_decoder": None}
 
 
 def _torchvision_jpeg() -> Dict[str, Any]:
+    from . import image_decode
+
     try:
         import torchvision
 
         from .loading.device_decode import decoder_error
     except Exception as exc:  # torchvision missing or broken
-        return {"torchvision_version": None, "torchvision_decode_jpeg": False, "torchvision_error": repr(exc)}
-    error = decoder_error()  # decodes a small JPEG (a build without its image extension cannot)
+        return {"torchvision_version": None, "torchvision_decode_jpeg": False, "torchvision_error": repr(exc),
+                "image_decoder": image_decode.describe()}
+    error = decoder_error()  # decodes a small JPEG with image_decoder (a build without its image extension cannot)
     return {
         "torchvision_version": torchvision.__version__,
         "torchvision_decode_jpeg": error is None,
         "torchvision_error": error,
+        "image_decoder": image_decode.describe(),
     }
 
 
@@ -361,8 +366,8 @@ def summary_lines(report: Dict[str, Any]) -> List[Tuple[str, str]]:
     turbo = "with libjpeg-turbo" if jpeg["pillow_libjpeg_turbo"] else "WITHOUT libjpeg-turbo"
     vision = {True: "can decode JPEG", False: "cannot decode JPEG",
               None: "(its decoder not checked: a raw archive is never decoded)"}[jpeg["torchvision_decode_jpeg"]]
-    lines.append(("JPEG", f"Pillow {jpeg['pillow_version']} {turbo}; torchvision {jpeg['torchvision_version']} "
-                          f"{vision}"))
+    decoder = jpeg["image_decoder"] or f"torchvision {jpeg['torchvision_version']}"  # image_decode.describe()
+    lines.append(("JPEG", f"Pillow {jpeg['pillow_version']} {turbo}; {decoder} {vision}"))
     lines.append(("/dev/shm", f"{_size(shm['free_bytes'])} free of {_size(shm['total_bytes'])}"))
     limit = "" if memory["cgroup_limit_bytes"] is None else f" (job limit {_size(memory['cgroup_limit_bytes'])})"
     lines.append(("memory", f"{_size(memory['available_bytes'])} available of {_size(memory['total_bytes'])}{limit}"))

@@ -1,6 +1,6 @@
 """make_loader(decode="device"): workers read and check bytes, the main process decodes on its device.
 
-On the CPU the device path runs with torchvision's CPU decoder, so everything but
+On the CPU the device path runs with the same decoder on the CPU (``image_decode``), so everything but
 nvJPEG itself is checked here: it must give the batches decoding in the workers
 gives (same crops, flips and pixels), route what the device decoder does not take
 through the workers, and refuse bad data by name.  The CUDA tests skip without a GPU.
@@ -17,6 +17,7 @@ import torch
 from PIL import Image
 
 import packed_formats as pf
+from packed_formats import image_decode
 from packed_formats import transforms as T
 from packed_formats.loading import device_decode
 from packed_formats.synthetic import make_photo_folder
@@ -93,7 +94,9 @@ RESIZED = 1  # the device path resizes every batch at once in float, the workers
 def test_device_decode_gives_the_batches_the_workers_give(photos, recipe):
     transform = {"train": T.train(160), "val": T.val(160, resize=170), "crop only": T.RandomResizedCrop(160)}[recipe]
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # torchvision's deprecation of its decoders stays inside
+        warnings.simplefilter("error")  # nothing to warn of: TorchCodec decodes
+        if image_decode.decoder() == "torchvision":  # where it cannot, torchvision's decoders say they are deprecated
+            warnings.filterwarnings("ignore", category=DeprecationWarning)
         assert_same(epoch(photos, "device", transform=transform), epoch(photos, "workers", transform=transform),
                     RESIZED)
 
@@ -252,8 +255,10 @@ def test_an_unknown_place_to_decode_or_a_missing_decoder_is_refused(photos, monk
     def missing(*args, **kwargs):
         raise RuntimeError("Couldn't load custom C++ ops")
 
-    monkeypatch.setattr(torchvision.io, "decode_jpeg", missing)
-    with pytest.raises(ValueError, match="torchvision's JPEG decoder"):
+    # no TorchCodec, and a torchvision built without its image extension
+    monkeypatch.setattr(image_decode, "_torchcodec", lambda: (None, "ModuleNotFoundError('torchcodec')"))
+    monkeypatch.setattr(torchvision.io, "decode_image", missing)
+    with pytest.raises(ValueError, match=r"needs a JPEG decoder \(torchvision .*packed_formats\[torchcodec\]"):
         pf.make_loader(photos, decode="device")
 
 

@@ -25,7 +25,7 @@ import packed_formats
 
 PACKAGE = os.path.dirname(packed_formats.__file__)
 FOUNDATIONS = {"errors", "handles", "checksum", "codecs", "native", "manifest", "index", "policy", "tracebacks",
-               "fields"}
+               "fields", "image_decode"}
 
 
 def modules() -> Dict[str, str]:

@@ -3,7 +3,7 @@
 A GPU pays for every operator call the main process makes (a launch each), so the
 device path (``make_loader(decode="device")``: batched decode, crops resized,
 then the rest of the transform) must not make calls per image.  Run here on the
-CPU, where the same code path uses torchvision's CPU decoder, the calls that
+CPU, where the same code path uses the decoder's CPU build, the calls that
 compute or copy are counted (views, allocations and the decoder's own calls
 aside) for batches of 64 and 256.
 """
@@ -27,11 +27,12 @@ from packed_formats.loading.device import copy_then_transform, in_memory_format
 from packed_formats.synthetic import make_photo_folder
 
 ALLOCATIONS = {"empty", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh"}
+DECODERS = {"torchcodec_ns", "image"}  # the operator namespaces of TorchCodec's and torchvision's decoders
 
 
 class CountedCalls(TorchDispatchMode):
     """The operator calls that compute or copy, by name: views, allocations and the JPEG decoder's calls
-    (torchvision's ``image`` operators) are not counted."""
+    (TorchCodec's ``torchcodec_ns`` operators, torchvision's ``image`` ones) are not counted."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -39,7 +40,7 @@ class CountedCalls(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if not (func.is_view or func.namespace == "image" or name in ALLOCATIONS):
+        if not (func.is_view or func.namespace in DECODERS or name in ALLOCATIONS):
             self.calls[name] += 1
         return func(*args, **(kwargs or {}))
 

@@ -15,9 +15,9 @@ Both read with 2 workers (by default) and the same transform, drawn per sample: 
 ``RandomResizedCrop`` then ``RandomHorizontalFlip``, given the image and the mask together, so the
 mask is cut and flipped as its image is.
 
-* The reference is torchvision's fastest way to read such a set from files: ``torchvision.io``'s
-  libjpeg-turbo and libpng decoders straight into tensors (no PIL image), the v2 transform on the
-  ``tv_tensors`` pair, DataLoader's default collate, persistent workers.
+* The reference is PyTorch's fastest way to read such a set from files: its libjpeg-turbo and libpng
+  decoders (TorchCodec's, else ``torchvision.io``'s: ``image_decode``) straight into tensors (no PIL
+  image), the v2 transform on the ``tv_tensors`` pair, DataLoader's default collate, persistent workers.
 * Ours is ``make_loader(archive, fields={"mask": "mask"}, transform=...)``.  On the encoded archive the
   crop is cut while decoding (the JPEG decoded at the least DCT scale that covers it, the mask cut
   from the same box), the flip per sample, whole batches sent in shared memory: the same pixels as the
@@ -43,6 +43,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 import numpy as np
 import torch
+
+from .. import image_decode
 
 GOAL = 2.0
 
@@ -75,8 +77,8 @@ def make_segmentation_folder(root: str, images: int, sizes=(360, 640), seed: int
 
 
 class FilesWithMasks(torch.utils.data.Dataset):
-    """The reference: each image and its mask read from their files and decoded by ``torchvision.io``,
-    the v2 ``transform`` given both; items are (image, mask) tensors."""
+    """The reference: each image and its mask read from their files and decoded by PyTorch's decoder
+    (``image_decode``), the v2 ``transform`` given both; items are (image, mask) tensors."""
 
     def __init__(self, root: str, transform: Callable) -> None:
         self.items = sorted(
@@ -89,13 +91,18 @@ class FilesWithMasks(torch.utils.data.Dataset):
         return len(self.items)
 
     def __getitem__(self, i: int):
-        from torchvision import io, tv_tensors
+        from torchvision import tv_tensors
 
-        image_path, mask_path = self.items[i]
-        image = tv_tensors.Image(io.decode_jpeg(io.read_file(image_path)))
-        mask = tv_tensors.Mask(io.decode_png(io.read_file(mask_path))[0])
+        image, mask = image_decode.decode([_read(path) for path in self.items[i]], "UNCHANGED")
+        image, mask = tv_tensors.Image(image), tv_tensors.Mask(mask[0])
         image, mask = self.transform(image, mask)
         return image.as_subclass(torch.Tensor), mask.as_subclass(torch.Tensor)
+
+
+def _read(path: str) -> torch.Tensor:
+    """A file's bytes as a 1-D uint8 tensor."""
+    with open(path, "rb") as file:
+        return torch.frombuffer(bytearray(file.read()), dtype=torch.uint8)
 
 
 def transform(size: int) -> Callable:
@@ -117,7 +124,7 @@ def timed_epochs(loader: Iterable[Any], epochs: int, count: Callable[[Any], int]
     return rates
 
 
-REFERENCE = "torchvision Dataset (files, torchvision.io, v2)"
+REFERENCE = "torchvision Dataset (files, PyTorch's decoders, v2)"
 
 
 def run(root: str, archives: Dict[str, str], *, workers: int, batch_size: int, size: int,
@@ -188,7 +195,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with open(args.out, "w", encoding="utf-8") as file:
             json.dump({"set": made, "batch_size": args.batch_size, "workers": args.workers, "size": args.size,
                        "raw_size": args.raw_size, "epochs": args.epochs, "goal": args.goal, "reference": REFERENCE,
-                       "results": results}, file, indent=2)
+                       "decoder": image_decode.describe(), "results": results}, file, indent=2)
     return 0
 
 

@@ -10,9 +10,10 @@ bytes on as an ``EncodedBatch``.  On photographs the strict check costs about
 half a decode; made once per loader, a worker prepares ~2,900 images/s a core
 in the first epoch and ~40,000 after.
 
-The main process decodes the batch's JPEGs in one call to torchvision's
-batched decoder on the device (nvJPEG on CUDA; it takes the bytes on the host,
-as views of the batch's one buffer, and copies them itself), then resizes every
+The main process decodes the batch's JPEGs in one call to PyTorch's batched
+decoder on the device (``image_decode``: TorchCodec's, else torchvision's;
+nvJPEG on CUDA; it takes the bytes on the host, as views of the batch's one
+buffer, and copies them itself), then resizes every
 image's box at once (``resample``: bilinear, antialiased, within a level of
 torchvision's antialiased resize) into one uint8 [B,3,H,W] batch, laid out in
 the loader's memory format: a few operator calls per batch, none per image.
@@ -24,20 +25,17 @@ What the device's decoder does not take (PNG, WebP, CMYK JPEGs, JPEGs the
 native decoder leaves to Pillow) the worker decodes, cuts and resizes itself,
 and sends as pixels; a JPEG the device decoder refuses in the main process is
 decoded there on the CPU.  With ``device="cpu"`` the same steps run in the main
-process with torchvision's CPU decoder: the same code path, testable anywhere.
-(torchvision marks its decoders deprecated from 0.29 on, for TorchCodec's;
-they are what this module calls while torchvision ships them.)
+process with the same decoder on the CPU: the same code path, testable anywhere.
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-from .. import codecs, native, policy
+from .. import codecs, image_decode, native, policy
 from ..backends.reader import Reader
 from ..errors import PackedFormatError
 from ..transforms import functional as F
@@ -149,13 +147,13 @@ class DeviceDecoder:
             return []
         try:
             return decode_jpegs(blobs, device)
-        except RuntimeError:
+        except (RuntimeError, ValueError):
             return [self._decode_one(blob, i, device) for blob, i in zip(blobs, indices)]
 
     def _decode_one(self, blob: torch.Tensor, i: int, device: torch.device) -> torch.Tensor:
         try:
             return decode_jpegs([blob], device)[0]
-        except RuntimeError:
+        except (RuntimeError, ValueError):
             pass
         try:  # the CPU's strict decode, which the worker's check passed: it reads it, or says why not
             pixels = policy.decode(blob.numpy().tobytes(), 3)
@@ -329,8 +327,8 @@ def mixed_sizes(reader: Reader, i: int, size: Sequence[int], batch_size: Sequenc
 
 
 def decoder_error() -> Optional[str]:
-    """Why torchvision's JPEG decoder cannot decode here (missing, built without its image extension,
-    or no longer shipped), or None when it decodes a small JPEG."""
+    """Why the JPEG decoder (``image_decode.decoder()``) cannot decode here (missing, built without its
+    image extension, or no longer shipped), or None when it decodes a small JPEG."""
     try:
         jpeg = codecs.encode(np.zeros((8, 8, 3), dtype=np.uint8), "jpeg", 90)
         decode_jpegs([torch.frombuffer(bytearray(jpeg), dtype=torch.uint8)], torch.device("cpu"))
@@ -340,19 +338,15 @@ def decoder_error() -> Optional[str]:
 
 
 def check_decoder() -> None:
-    """ValueError unless torchvision's JPEG decoder works here: without it every image would go to
-    the CPU fallback, one at a time."""
+    """ValueError unless the JPEG decoder works here: without it every image would go to the CPU
+    fallback, one at a time."""
     error = decoder_error()
     if error is not None:
-        raise ValueError(f"decode='device' needs torchvision's JPEG decoder, which fails here ({error}); "
-                         "use decode='workers'")
+        raise ValueError(f"decode='device' needs a JPEG decoder ({image_decode.describe()}), which fails here "
+                         f"({error}); pip install packed_formats[torchcodec], or use decode='workers'")
 
 
 def decode_jpegs(blobs: List[torch.Tensor], device: torch.device) -> List[torch.Tensor]:
-    """JPEG bytes (1-D uint8 CPU tensors) as 3xHxW uint8 RGB on ``device``, in one call of
-    torchvision's decoder (batched nvJPEG on CUDA); RuntimeError when it refuses one."""
-    from torchvision.io import ImageReadMode, decode_jpeg
-
-    with warnings.catch_warnings():  # its deprecation in favour of TorchCodec (see the module)
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return list(decode_jpeg(blobs, mode=ImageReadMode.RGB, device=device))
+    """JPEG bytes (1-D uint8 CPU tensors) as 3xHxW uint8 RGB on ``device``, in one call of the
+    decoder (``image_decode``; batched nvJPEG on CUDA); RuntimeError or ValueError when it refuses one."""
+    return image_decode.decode(blobs, "RGB", device)
