@@ -255,3 +255,40 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+# ---- a worker ends with its main process ------------------------------------------------------------------
+# A worker process (the loader's DataLoader workers, the conversion's pool) looks for its parent only between
+# tasks, and then leaves the ordinary way, which waits for each queue's feeder thread.  When the main process is
+# killed, a feeder may be blocked for good writing into a full pipe whose read end the sibling workers hold, so
+# the workers stay orphans, with their memory, until someone kills them.  Each therefore watches its parent (and
+# the main process: a forkserver's children's grandparent) from a thread of its own, and once either is gone
+# ends at once, waiting for nothing (``os._exit``).
+WATCH_INTERVAL = 0.2  # seconds between two looks at the parent
+
+_watched_in: Optional[int] = None  # the process whose watcher runs (a forked child starts its own)
+
+
+def leave_with_parent(owner: Optional[int] = None, interval: float = WATCH_INTERVAL) -> None:
+    """Start this process's watcher of its parent and of ``owner`` (by default the process that made this
+    one, ``multiprocessing.parent_process()``), once per process: a worker calls it as it starts."""
+    global _watched_in
+    if _watched_in == os.getpid():
+        return
+    _watched_in = os.getpid()
+    parent = os.getppid()
+    if owner is None:
+        import multiprocessing
+
+        creator = multiprocessing.parent_process()
+        owner = parent if creator is None or creator.pid is None else creator.pid
+    threading.Thread(target=_watch, args=(parent, owner, interval), name="packed_formats-parent-watch",
+                     daemon=True).start()
+
+
+def _watch(parent: int, owner: int, interval: float) -> None:
+    import time
+
+    while os.getppid() == parent and pid_alive(owner):
+        time.sleep(interval)
+    os._exit(0)  # no parent to report to: the ordinary exit could wait forever on a feeder thread

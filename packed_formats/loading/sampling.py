@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Se
 import numpy as np
 import torch
 
-from .parent_watch import leave_with_parent
+from ..handles import leave_with_parent
 
 
 class BatchPlan(NamedTuple):
@@ -390,6 +390,6 @@ class WorkerInit:
 
     def __call__(self, worker_id: int) -> None:
         """Give each worker distinct global RNG states before its first batch, and make it end with its
-        main process (``parent_watch``)."""
+        main process (``handles.leave_with_parent``)."""
         leave_with_parent()
         seed_globals(int(np.random.SeedSequence([self.seed, self.rank, worker_id, 0x5EED]).generate_state(1)[0]))

@@ -21,16 +21,15 @@ import os
 import shutil
 import signal
 import tempfile
-import threading
-import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..handles import leave_with_parent
+
 _STATE: Optional[Tuple[Callable[[Any, int], Any], Any]] = None
-_WATCH_SECONDS = 0.5
 SPILL_ROOT = "/dev/shm"
 SPILL_PREFIX = "packed-formats-convert-"
 _SPILL_BYTES = 1 << 15  # arrays at least this large skip the pipe
@@ -57,24 +56,7 @@ def _init_worker(function: Callable[[Any, int], Any], context: Any, parent: int)
     if hasattr(signal, "SIGHUP"):
         signal.signal(signal.SIGHUP, signal.SIG_DFL)
     _STATE = (function, context)
-    threading.Thread(target=_exit_when_orphaned, args=(parent,), daemon=True).start()
-
-
-def _exit_when_orphaned(parent: int) -> None:
-    watched = os.getppid()  # the main process; under forkserver, the server it started (which ends with it)
-    while os.getppid() == watched and (watched == parent or _alive(parent)):
-        time.sleep(_WATCH_SECONDS)
-    os._exit(1)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    leave_with_parent(parent)  # ends with the main process, a forkserver's children too
 
 
 def _run_chunk(
