@@ -190,6 +190,22 @@ def test_warm_run_reads_the_whole_target_into_the_page_cache_first(archives):
         assert row["warmed"]["bytes_read"] == sum(os.path.getsize(f) for f in files)
 
 
+@pytest.mark.parametrize("layout", ["nchw", "channels-last"])
+def test_the_layout_of_untransformed_make_loader_batches_is_chosen(archives, layout):
+    config = BenchConfig(workers=[0], batch_size=4, size=16, layout=layout)
+    target = {"path": archives[("memmap", "raw")], "mode": "raw"}
+    images, _ = next(iter(build_loader(target, "make_loader", "none", 0, config)))
+    assert images.is_contiguous() == (layout == "nchw")
+    assert images.is_contiguous(memory_format=torch.channels_last) == (layout == "channels-last")
+
+
+def test_an_unknown_layout_is_refused(archives):
+    with pytest.raises(SystemExit):
+        main(["bench", archives[("memmap", "raw")], "--workers", "0", "--layout", "nhwc"])
+    with pytest.raises(ValueError, match="layout"):
+        BenchConfig(layout="nhwc").check()
+
+
 def test_warm_brings_an_evicted_file_back(tmp_path):
     path = tmp_path / "data.bin"
     path.write_bytes(os.urandom(1 << 20))

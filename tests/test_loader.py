@@ -162,6 +162,28 @@ def test_batches_are_channels_last_views_of_one_buffer(uniform_archives):
     assert images.is_contiguous(memory_format=torch.channels_last)
 
 
+def test_nchw_raw_batches_are_read_straight_into_the_batch_with_no_buffer_between(uniform_archives):
+    """The default contiguous NCHW batch is the read itself: the samples' channels are parted on their
+    one copy out of the archive, not read as stored into another buffer first and transposed from it."""
+    loader = pf.make_loader(uniform_archives[("memmap", "raw")], batch_size=4, num_workers=0, shuffle=False)
+    images, _ = next(iter(loader))
+    assert images.is_contiguous() and images.shape == (4, RAW_SHAPE[2], RAW_SHAPE[0], RAW_SHAPE[1])
+    buffers = loader.batch_reader._buffers.get()._buffers  # this process's reused buffers: the batch alone
+    assert len(buffers) == 1 and images.data_ptr() == buffers[0][0].ctypes.data
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", pf.PACKED_FORMATS)
+def test_nchw_raw_batches_from_workers_equal_the_channels_last_ones(uniform_archives, fmt):
+    path = uniform_archives[(fmt, "raw")]
+    nchw = list(pf.make_loader(path, batch_size=7, num_workers=2, seed=4))
+    channels_last = list(pf.make_loader(path, batch_size=7, num_workers=2, seed=4, memory_format=torch.channels_last))
+    assert len(nchw) == len(channels_last) == 4
+    for (a, la), (b, lb) in zip(nchw, channels_last):
+        assert a.is_contiguous() and b.is_contiguous(memory_format=torch.channels_last)
+        assert torch.equal(a, b) and torch.equal(la, lb)
+
+
 def test_encoded_images_of_mixed_sizes_need_a_size(archives):
     with pytest.raises(pf.PackedFormatError, match="size="):
         list(pf.make_loader(archives[("zip", "encoded")], batch_size=8, num_workers=0))
@@ -316,6 +338,28 @@ def test_skip_keeps_the_good_samples_of_the_batch_intact(uniform_archives, tmp_p
 def test_verify_false_reads_a_corrupt_raw_sample_without_complaint(uniform_archives, tmp_path):
     bad = corrupt_copy(uniform_archives[("memmap", "raw")], os.fspath(tmp_path / "bad.memmap"), "memmap", "raw")
     assert sum(len(y) for _, y in pf.make_loader(bad, batch_size=8, num_workers=0, verify=False)) == 24
+
+
+@pytest.mark.parametrize("fmt", pf.PACKED_FORMATS)
+def test_planar_reads_equal_reads_as_stored_transposed(uniform_archives, fmt):
+    reader = pf.open_archive(uniform_archives[(fmt, "raw")])
+    idx = np.array([3, 0, 17, 3, 23])
+    h, w, c = RAW_SHAPE
+    out = np.full((len(idx), c, h, w), 7, dtype=np.uint8)
+    assert reader.read_many_planar(idx, out=out) is out
+    assert np.array_equal(out, reader.read_many(idx).transpose(0, 3, 1, 2))
+    with pytest.raises(ValueError, match="out must be uint8"):
+        reader.read_many_planar(idx, out=np.empty((len(idx), h, w, c), dtype=np.uint8))
+
+
+@pytest.mark.parametrize("fmt", ["memmap", "zip"])
+def test_a_planar_read_checks_each_sample_before_it_copies_it(uniform_archives, tmp_path, fmt):
+    bad = corrupt_copy(uniform_archives[(fmt, "raw")], os.fspath(tmp_path / f"bad.{fmt}"), fmt, "raw")
+    reader = pf.open_archive(bad)
+    h, w, c = RAW_SHAPE
+    with pytest.raises(pf.CorruptSampleError, match="checksum mismatch") as info:
+        reader.read_many_planar([0, BAD], out=np.empty((2, c, h, w), dtype=np.uint8))
+    assert info.value.path == bad and info.value.index == BAD
 
 
 # ---- GPU ---------------------------------------------------------------------------------------------------

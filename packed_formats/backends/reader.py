@@ -334,6 +334,26 @@ class Reader:
                 self._verify(int(i), out[j])
         return out
 
+    @drops_frames
+    def read_many_planar(self, idx: "Sequence[int] | np.ndarray", out: np.ndarray) -> np.ndarray:
+        """Raw samples idx into ``out``, a uint8 [B,C,H,W] array (a contiguous NCHW batch, say): each
+        sample copied once, straight from where the archive keeps it, its channels parted on the way,
+        with no [B,H,W,C] batch between.  Each sample's stored bytes are checked (the verify policy)
+        before they are copied, as ``read`` does.
+        """
+        indices = self.check_indices(idx)
+        if self.manifest.mode != "raw":
+            raise ValueError(f"{self.path}: only raw archives read into planar batches")
+        h, w, c = self.backend.shape
+        shape = (len(indices), c, h, w)
+        if out.shape != shape or out.dtype != np.uint8:
+            raise ValueError(f"out must be uint8 {shape}, got {out.dtype} {out.shape}")
+        handle = self._unchanged_handle()
+        for j, i in enumerate(indices.tolist()):
+            pixels = self.backend.as_pixels(self._read_checked(handle, i), i)
+            np.copyto(out[j], pixels.transpose(2, 0, 1))  # the one copy: HxWxC -> CxHxW
+        return out
+
     # ---- fields ----
     @property
     def fields(self) -> Tuple[FieldSpec, ...]:

@@ -102,9 +102,10 @@ def batch_transform(transforms, pipeline: str, size: int) -> Optional[Callable]:
 
 def make_loader_loader(path: str, mode: str, pipeline: str, size: int, batch_size: int, workers: int,
                        shuffle: bool, context: Optional[str], decode_size: Optional[int] = None, seed: int = 0,
-                       device: str = "cpu", decode: str = "workers"):
+                       device: str = "cpu", decode: str = "workers", layout: str = "channels-last"):
     """``pf.make_loader`` with ``pf.transforms.val/train(size)`` (whole-batch uint8 work, crop before float);
-    untransformed batches in channels-last layout (the archive's own; see below).
+    untransformed batches in ``layout``: "channels-last" (the archive's own; see below) or "nchw"
+    (make_loader's default, contiguous [B,C,H,W]).
 
     Encoded archives are decoded to ``decode_size`` x ``decode_size`` so that a batch has one shape,
     except where the transform crops while decoding (train and val).
@@ -122,9 +123,9 @@ def make_loader_loader(path: str, mode: str, pipeline: str, size: int, batch_siz
         options["decode"] = decode
     if mode == "encoded" and decode_size and pipeline == "none":
         options["size"] = decode_size  # train and val crop at decode: no resize to one size first
-    if pipeline == "none" and accepts(make_loader, "memory_format"):
+    if pipeline == "none" and layout == "channels-last" and accepts(make_loader, "memory_format"):
         # untransformed batches as read, [B,H,W,C] in memory, like the copy-bound limit's gather:
-        # the default contiguous NCHW would add a transpose on the host (on a GPU it is done there)
+        # the default contiguous NCHW transposes each sample on its way into the batch
         options["memory_format"] = torch.channels_last
     if workers and context and accepts(make_loader, "multiprocessing_context"):
         options["multiprocessing_context"] = context

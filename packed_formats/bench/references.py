@@ -8,8 +8,9 @@
   version of this limit used it, which made every loader look closer to it.)
 - bare decode rate (encoded): decoding the archive's own bytes (the first
   ``DECODE_SAMPLES`` samples, already in memory) in a tight loop the fastest
-  known way that is not ours: torchvision's ``decode_image`` (libjpeg-turbo,
-  libpng) and, when the loader resizes, torch's antialiased uint8 bilinear
+  known way that is not ours: PyTorch's ``decode_image`` (libjpeg-turbo,
+  libpng; TorchCodec's, else torchvision's: ``image_decode``, as ``decoder``
+  records) and, when the loader resizes, torch's antialiased uint8 bilinear
   resize to the same square size; no container, no DataLoader, in as many
   processes as the loader it is compared with (``max(1, workers)``), started
   together.  (An earlier version decoded and resized with Pillow, as the
@@ -20,12 +21,13 @@ from __future__ import annotations
 
 import statistics
 import time
-import warnings
 import zlib
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
+
+from .. import image_decode
 
 COPY_MEMORY_CAP = 1 << 30  # bytes of in-memory data for the copy-bound limit
 DECODE_SAMPLES = 128
@@ -63,13 +65,11 @@ def copy_bound_rate(
 
 
 def decode_to(blob: bytes, size: Optional[int]) -> torch.Tensor:
-    """CxHxW RGB pixels of ``blob`` by torchvision's decoder, resized by torch to ``size`` x ``size`` when given."""
+    """CxHxW RGB pixels of ``blob`` by PyTorch's decoder (``image_decode``), resized by torch to ``size`` x
+    ``size`` when given."""
     import torch.nn.functional as F
-    from torchvision.io import ImageReadMode, decode_image
 
-    with warnings.catch_warnings():  # torchvision 0.29 deprecates its decoders in favour of TorchCodec's
-        warnings.simplefilter("ignore", DeprecationWarning)
-        image = decode_image(torch.frombuffer(bytearray(blob), dtype=torch.uint8), mode=ImageReadMode.RGB)
+    image = image_decode.decode([torch.frombuffer(bytearray(blob), dtype=torch.uint8)])[0]
     if size is not None and tuple(image.shape[1:]) != (size, size):
         batch = image.unsqueeze(0).contiguous(memory_format=torch.channels_last)
         image = F.interpolate(batch, size=(size, size), mode="bilinear", antialias=True)[0]
@@ -120,6 +120,7 @@ def bare_decode_rate(
             w.join()
     return {
         "name": "bare-decode",
+        "decoder": image_decode.describe(),
         "processes": max(1, processes),
         "decode_size": size,
         "samples": len(blobs),

@@ -39,6 +39,7 @@ class BenchConfig:
     source: Optional[str] = None
     reference_seconds: float = 1.0
     device: str = "cpu"  # "cuda": make_loader copies to the GPU and transforms there
+    layout: str = "channels-last"  # of make_loader's untransformed batches: "channels-last" or "nchw"
 
     @property
     def on_cuda(self) -> bool:
@@ -66,6 +67,8 @@ class BenchConfig:
                              f"choose one of {', '.join(multiprocessing.get_all_start_methods())}")
         if self.loader not in loaders.LOADERS:
             raise ValueError(f"loader must be one of {', '.join(loaders.LOADERS)}")
+        if self.layout not in ("channels-last", "nchw"):
+            raise ValueError(f"layout must be channels-last or nchw, got {self.layout!r}")
         if self.device != "cpu" and not self.on_cuda:
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
         if self.on_cuda:
@@ -124,7 +127,7 @@ def build_loader(target: Dict[str, Any], loader: str, pipeline: str, workers: in
     elif loader in ("make_loader", DEVICE_DECODE):
         decode = "device" if loader == DEVICE_DECODE else "workers"
         return loaders.make_loader_loader(target["path"], target["mode"], *common, decode_size=config.decode_to,
-                                          device=config.device, decode=decode)
+                                          device=config.device, decode=decode, layout=config.layout)
     elif loader == "plain-to-device":
         return loaders.PlainCopyLoader(target["path"], target["mode"], *common, decode_size=config.decode_to,
                                        device=config.device)

@@ -113,6 +113,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu",
                         help="cpu, or cuda[:N]: make_loader copies pinned batches to the GPU ahead of use and "
                              "transforms them there; each archive is also timed with a plain .to(device) (cpu)")
+    parser.add_argument("--layout", choices=("channels-last", "nchw"), default="channels-last",
+                        help="memory layout of make_loader's untransformed (--pipeline none) batches: channels-last, "
+                             "as stored (the default), or nchw, make_loader's own default (contiguous [B,C,H,W])")
     parser.add_argument("--source", default=None, help="the source ImageFolder, to compare archive sizes with")
     parser.add_argument("--out", default=None, help="write every measurement to this JSON file")
     parser.add_argument("--plot", default=None, help="save a PNG plot of images/s here (needs matplotlib)")
@@ -151,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
         max_batches=args.max_batches, pipelines=args.pipeline, size=args.size, start_method=args.start_method,
         cold=args.cold, shuffle=args.shuffle, loader=args.loader, references=args.references,
         tensordict_baseline=args.tensordict_baseline, source=args.source, decode_size=args.decode_size,
-        reference_seconds=args.reference_seconds, device=args.device,
+        reference_seconds=args.reference_seconds, device=args.device, layout=args.layout,
     )
     results = run_benchmark(args.paths, config)
     print(format_table(results))

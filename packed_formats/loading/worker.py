@@ -164,7 +164,7 @@ class BatchReader(torch.utils.data.Dataset):
         else:
             images, skipped, wheres = self._read_encoded(idx)
         if self.fields is not None:  # their values next, a sample whose fields fail left out as one whose image does
-            values = self._read_fields(idx, wheres, skipped)
+            values = self._read_fields(idx, wheres, (int(images.shape[1]), int(images.shape[2])), skipped)
         keep = np.setdiff1d(np.arange(len(idx)), [s[0] for s in skipped]) if skipped else None
         images = images.permute(0, 3, 1, 2)  # [B,C,H,W] view, channels last in memory
         if keep is not None:
@@ -179,8 +179,10 @@ class BatchReader(torch.utils.data.Dataset):
         images = self._in_layout(images)
         return images, labels, tuple(s[1] for s in skipped), torch.from_numpy(np.array(idx, dtype=np.int64))
 
-    def _read_fields(self, idx: np.ndarray, wheres: Sequence[Optional[Where]], skipped: Bad) -> List[Any]:
-        """Each sample's fields (``BatchFields.read``), None for a sample already left out; with on_error="skip"
+    def _read_fields(self, idx: np.ndarray, wheres: Sequence[Optional[Where]], canvas: Tuple[int, int],
+                     skipped: Bad) -> List[Any]:
+        """Each sample's fields (``BatchFields.read``; ``canvas``: the (height, width) of the batch's images as
+        read, what a field taken as stored must be), None for a sample already left out; with on_error="skip"
         one whose fields fail is left out too (noted in ``skipped``)."""
         fields, left_out = cast(BatchFields, self.fields), {j for j, _ in skipped}
         values: List[Any] = []
@@ -188,7 +190,7 @@ class BatchReader(torch.utils.data.Dataset):
             value = None
             if j not in left_out:
                 try:
-                    value = fields.read(self.reader, i, where)
+                    value = fields.read(self.reader, i, where, canvas)
                 except CorruptSampleError as exc:
                     if self.on_error == "raise":
                         raise
@@ -283,21 +285,37 @@ class BatchReader(torch.utils.data.Dataset):
 
     # ---- raw ----
     def _read_raw(self, idx: np.ndarray) -> Tuple[torch.Tensor, Bad]:
-        buffer = self._new_buffer((len(idx),) + self._raw_shape())
-        out = buffer.numpy()
+        """The batch's samples as a [B,H,W,C] tensor: read as stored, or (``_reads_planar``) parted into
+        channels on the way into the memory the batch is sent in, the tensor then a view of it."""
+        h, w, c = self._raw_shape()
+        if self._reads_planar():
+            planar = self._sent_buffer((len(idx), c, h, w))
+            return planar.permute(0, 2, 3, 1), self._read_raw_into(idx, planar.numpy(), self.reader.read_many_planar)
+        buffer = self._new_buffer((len(idx), h, w, c))
+        return buffer, self._read_raw_into(idx, buffer.numpy(), self.reader.read_many)
+
+    def _read_raw_into(self, idx: np.ndarray, out: np.ndarray, read: Callable[..., Any]) -> Bad:
+        """``read(idx, out=out)``; with on_error="skip", sample by sample once a sample fails (those left out)."""
         try:
-            self.reader.read_many(idx, out=out)
-            return buffer, []
+            read(idx, out=out)
+            return []
         except CorruptSampleError:
             if self.on_error == "raise":
                 raise
         skipped = []
         for j, i in enumerate(idx.tolist()):  # slow path: find the bad ones
             try:
-                self.reader.read_many(idx[j : j + 1], out=out[j : j + 1])
+                read(idx[j : j + 1], out=out[j : j + 1])
             except CorruptSampleError as exc:
                 skipped.append((j, self._skipped(exc, i)))
-        return buffer, skipped
+        return skipped
+
+    def _reads_planar(self) -> bool:
+        """Whether a raw batch is read straight into contiguous NCHW: the batch as sent, when it is
+        sent as read (no transform, no fields) in that layout.  Its one copy out of the archive then
+        parts the channels too, where a read as stored would need a second pass to transpose it."""
+        return (self.memory_format == torch.contiguous_format and self.channels > 1 and self.transform is None
+                and self.fields is None)
 
     def _raw_shape(self) -> Tuple[int, int, int]:
         shape = self.reader.manifest.shape
