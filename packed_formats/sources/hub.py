@@ -1,6 +1,6 @@
 """parquet, arrow: datasets as the Hugging Face Hub hands them out, read without the ``datasets`` library.
 
-* parquet: the shards ``huggingface-cli download --repo-type dataset`` leaves
+* parquet: the shards ``hf download --repo-type dataset`` leaves
   (``data/train-00000-of-00004.parquet``, ``<config>/<split>/0000.parquet``),
   or one ``.parquet`` file.  Splits come from the dataset card's
   ``configs: data_files`` when it has them, else from the file names.
@@ -25,11 +25,15 @@ one), a string column as text, any other column as JSON (lists, numbers,
 structs), or as declared (``--field boxes=array:float32[N,4]`` reads a list
 column as that array).  ``("auto",)`` takes every other column.  A null
 cell, or one that is no value of its field, is an error naming the file, row
-and column (or the row is left out with on_error="skip").
+and column (or the row is left out with on_error="skip"); so is an array cell
+with a null, NaN or infinity, a value its dtype does not hold as it is, or
+ragged lists.  What the dataset says of itself (the card, the JSON files, the
+class names) is checked by ``hub_checks`` before it is believed.
 
 Random access: an index of row groups (parquet) or record batches (arrow) is
 built once; each process reads the images of one slice of a row group at a
-time (at most ``_BATCH_BYTES``), so memory stays bounded whatever the shard size.
+time (at most ``_BATCH_BYTES``), so memory stays bounded whatever the shard size; a conversion hands
+each worker whole row groups (``runs``), so no two workers read the same one.
 Needs pyarrow (the ``hub`` extra); PyYAML reads the dataset card when installed.
 """
 
@@ -45,7 +49,19 @@ import numpy as np
 
 from ..errors import ArchiveNotFoundError, CorruptArchiveError, CorruptSampleError, InvalidSourceError
 from ..fields import RESERVED, FieldSpec, FieldValueError
-from .base import Source, SourceOptions, UnsafeName, classes_and_labels, member_path
+from .base import Source, SourceOptions, UnsafeName, member_path
+from .hub_checks import (
+    NotRegularFile,
+    cell_array,
+    class_names,
+    load_card,
+    load_json,
+    not_regular_error,
+    numbered_classes,
+    open_regular,
+    row_of,
+    text_classes,
+)
 
 _BATCH_BYTES = 64 << 20  # at most about this much of a row group's images is held at once
 _SNIFF_ENTRIES = 2000  # directory entries looked at to tell a Hub folder
@@ -57,13 +73,14 @@ _T = TypeVar("_T", bound="TableSource")
 
 
 class _Features:
-    """What the ``datasets`` features say of the columns: the Image ones, and each ClassLabel's names."""
+    """What the ``datasets`` features say of the columns: the Image ones, and each ClassLabel's names (as
+    found, with the file that holds them: only the label column's are checked, by ``class_names``)."""
 
     def __init__(self) -> None:
         self.images: Set[str] = set()
-        self.names: Dict[str, List[str]] = {}
+        self.names: Dict[str, Tuple[Any, str]] = {}
 
-    def add_json(self, features: Any) -> None:
+    def add_json(self, features: Any, where: str) -> None:
         """Features as ``dataset_info.json`` and the files' own metadata hold them: {column: {"_type": ...}}."""
         if not isinstance(features, dict):
             return
@@ -73,12 +90,10 @@ class _Features:
             kind = feature.get("_type")
             if kind == "Image":
                 self.images.add(str(column))
-            elif kind == "ClassLabel" and column not in self.names:
-                names = _names(feature.get("names"))
-                if names is not None:
-                    self.names[str(column)] = names
+            elif kind == "ClassLabel" and isinstance(feature.get("names"), (list, dict)):
+                self.names.setdefault(str(column), (feature["names"], where))
 
-    def add_card(self, features: Any) -> None:
+    def add_card(self, features: Any, where: str) -> None:
         """Features as a card's front matter holds them: [{name, dtype: image | {class_label: {names}}}]."""
         if not isinstance(features, list):
             return
@@ -89,24 +104,16 @@ class _Features:
             if dtype == "image":
                 self.images.add(column)
             elif isinstance(dtype, dict) and isinstance(dtype.get("class_label"), dict):
-                names = _names(dtype["class_label"].get("names"))
-                if names is not None and column not in self.names:
-                    self.names[column] = names
+                names = dtype["class_label"].get("names")
+                if isinstance(names, (list, dict)):
+                    self.names.setdefault(column, (names, where))
 
-
-def _names(found: Any) -> Optional[List[str]]:
-    """Class names from a list, or a mapping of "0": name (a gap is named by its number)."""
-    if isinstance(found, list):
-        return [str(n) for n in found]
-    if isinstance(found, dict):
-        try:
-            numbered = {int(k): str(v) for k, v in found.items()}
-        except (TypeError, ValueError):
+    def class_names(self, column: str) -> Optional[List[str]]:
+        """The ClassLabel names of ``column``, checked (InvalidSourceError naming their file); None: none."""
+        if column not in self.names:
             return None
-        if not numbered or min(numbered) < 0 or max(numbered) > 10 * len(numbered) + 1000:
-            return None
-        return [numbered.get(c, str(c)) for c in range(max(numbered) + 1)]
-    return None
+        found, where = self.names[column]
+        return class_names(found, where, f"the ClassLabel names of column {column!r}")
 
 
 class TableSource(Source):
@@ -147,6 +154,11 @@ class TableSource(Source):
         g = int(np.searchsorted(self.group_start, row, "right")) - 1
         return g, row - int(self.group_start[g])
 
+    def runs(self) -> np.ndarray:
+        """The first sample of each row group (parquet) or record batch (arrow): each is read whole."""
+        groups = np.searchsorted(self.group_start, self.rows, "right")
+        return np.flatnonzero(np.diff(groups, prepend=-1)).astype(np.int64)
+
     def location(self, i: int) -> str:
         row = int(self.rows[i])
         f = int(np.searchsorted(self.file_start, row, "right")) - 1
@@ -176,7 +188,7 @@ class TableSource(Source):
         g, local = self._where(i)
         try:
             first, _, _, _, columns = self._rows_of(g, local)
-            cells = [column[local - first] for column in columns]
+            cells = [column.slice(local - first, 1) for column in columns]
         except (pa.ArrowException, OSError, StopIteration) as exc:
             self._window = self._iterator = None
             raise CorruptSampleError(self.location(i), f"pyarrow cannot read its row group ({exc})", index=i,
@@ -188,19 +200,24 @@ class TableSource(Source):
                 out[spec.name] = self._field_value(i, spec, cell)
             except FieldValueError as exc:
                 raise CorruptSampleError(where, str(exc), index=i, key=self.key(i)) from None
+            except (ValueError, TypeError, OverflowError, pa.ArrowException) as exc:  # a value Python cannot hold
+                raise CorruptSampleError(where, f"field {spec.name!r} ({spec.kind}): {type(exc).__name__}: {exc}",
+                                         index=i, key=self.key(i)) from None
         return out
 
-    def _field_value(self, i: int, spec: FieldSpec, cell: Any) -> Any:
-        """A field's value from its cell (FieldValueError when it is none of its kind)."""
+    def _field_value(self, i: int, spec: FieldSpec, row: Any) -> Any:
+        """A field's value from its cell (``row``: a one-row slice of its column; FieldValueError when it is
+        none of its kind)."""
         import pyarrow as pa
 
+        cell = row[0]
         if not cell.is_valid:
             raise FieldValueError(f"field {spec.name!r} ({spec.kind}): the cell is null")
         if spec.kind == "image" and pa.types.is_struct(cell.type):
             found = cell.as_py()
             value = found.get("bytes") or self._from_path(i, found.get("path"))
         elif spec.kind == "array":
-            value = np.asarray(cell.as_py(), dtype=spec.dtype)
+            value = cell_array(row, spec)  # no null, NaN, or value the dtype does not hold as it is
         else:
             value = cell.as_py()
             if spec.kind == "bytes" and isinstance(value, str):
@@ -225,7 +242,7 @@ class TableSource(Source):
                 index=i, key=self.key(i), hint="only relative paths inside the folder are read",
             )
         try:
-            with open(full, "rb") as file:
+            with open_regular(full) as file:  # a FIFO would wait for a writer for good
                 return file.read()
         except OSError as exc:
             raise CorruptSampleError(self.location(i), f"its image has no bytes and its path {path!r} cannot be "
@@ -273,14 +290,15 @@ class TableSource(Source):
     # ---- listing ------------------------------------------------------------------------------------
     @classmethod
     def _listed(cls: Type[_T], path: str, root: str, files: List[str], image: str, label: str, labels: List[List[Any]],
-                names: Optional[List[str]], options: SourceOptions, description: str, schemas: List[Any]) -> _T:
+                features: _Features, options: SourceOptions, description: str, schemas: List[Any]) -> _T:
         """The source of ``files`` (``labels``: each file's ``label`` column, an array per group; ``schemas``:
         each file's, whose other columns may be fields)."""
         import pyarrow as pa
 
         group_rows = [[len(g) for g in groups] for groups in labels]
         arrays = [c for groups in labels for g in groups for c in (g.chunks if isinstance(g, pa.ChunkedArray) else [g])]
-        rows, numbers, failed, classes = _check_labels(files, group_rows, arrays, names, options.on_error)
+        names = features.class_names(label)
+        rows, numbers, failed, classes = _check_labels(files, group_rows, arrays, names, options.on_error, label)
         layout = f"{description}: images {image!r}, labels {label!r}"
         source = cls(path, root, files, group_rows, image, rows, classes, numbers, failed, layout)
         source.fields = _table_fields(files[0], schemas[0], options, image, label)
@@ -333,9 +351,10 @@ def _check_columns(files: List[str], schemas: List[Any], image: str, label: str)
 
 
 def _check_labels(files: List[str], group_rows: List[List[int]], arrays: List[Any], names: Optional[List[str]],
-                  on_error: str) -> Tuple[np.ndarray, np.ndarray, List[str], Tuple[str, ...]]:
+                  on_error: str, label: str) -> Tuple[np.ndarray, np.ndarray, List[str], Tuple[str, ...]]:
     """(rows kept, their labels, failures, classes) from the label column's arrays: a missing label, or one
-    outside the class names, is refused (on_error "raise") or left out naming its file and row."""
+    outside the class names, is refused (on_error "raise") or left out naming its file and row; classes made
+    from the label values are bounded and checked (``numbered_classes``, ``text_classes``)."""
     import pyarrow as pa
 
     starts = np.cumsum([0] + [sum(g) for g in group_rows])
@@ -353,8 +372,7 @@ def _check_labels(files: List[str], group_rows: List[List[int]], arrays: List[An
         else:
             count = f"the {len(names)} class names" if names is not None else "the labels (they start at 0)"
             problem = f"has label {int(numbers[row])}, outside {count}"
-        f = int(np.searchsorted(starts, row, "right")) - 1
-        where = f"{files[f]}:row {row - int(starts[f])}"
+        where = row_of(files, starts, row)
         if on_error == "raise":
             raise InvalidSourceError(where, problem, key=f"{row:08d}",
                                      hint="fix the file, or leave such rows out with --on-error skip")
@@ -364,11 +382,14 @@ def _check_labels(files: List[str], group_rows: List[List[int]], arrays: List[An
         chosen = numbers[kept]
         if names is not None:
             return kept, chosen, failed, tuple(names)
-        top = int(chosen.max()) + 1 if len(chosen) else 0
-        return kept, chosen, failed, tuple(str(c) for c in range(top))
+        if not len(chosen):
+            return kept, chosen, failed, ()
+        at = int(np.argmax(chosen))
+        return kept, chosen, failed, numbered_classes(files, starts, int(kept[at]), int(chosen[at]) + 1, len(kept),
+                                                       label)
     values = [v for a in arrays for v in a.to_pylist()]
-    classes, labels = classes_and_labels(files[0], [values[r] for r in kept.tolist()])
-    return kept, np.array(labels, dtype=np.int64), failed, classes
+    labels, classes = text_classes(files, starts, kept, [values[r] for r in kept.tolist()], label)
+    return kept, labels, failed, classes
 
 
 def _valid(array: Any) -> np.ndarray:
@@ -462,23 +483,28 @@ def _label_column(path: str, schema: Any, features: _Features, asked: Optional[s
     raise InvalidSourceError(path, problem, hint=f"name one with --label-column; its columns: {_columns(schema)}")
 
 
-def _arrow_error(path: str, exc: Exception) -> CorruptArchiveError:
+def _arrow_error(path: str, exc: Exception) -> "CorruptArchiveError | InvalidSourceError":
+    if isinstance(exc, NotRegularFile):
+        return not_regular_error(path, exc)
     return CorruptArchiveError(path, f"pyarrow cannot read it ({exc})",
                                hint="the file is truncated or damaged: download it again")
 
 
-def _own_features(schema: Any, features: _Features) -> None:
+def _own_features(path: str, schema: Any, features: _Features) -> None:
     """Add the features ``datasets`` keeps in a file's schema metadata (b"huggingface")."""
     raw = (schema.metadata or {}).get(b"huggingface")
     if raw is None:
         return
     try:
         document = json.loads(raw)
+    except RecursionError:
+        raise InvalidSourceError(path, 'has schema metadata (b"huggingface") that nests arrays or objects too '
+                                 "deeply to be read: refused") from None
     except (ValueError, UnicodeDecodeError):
         return
     info = document.get("info") if isinstance(document, dict) else None
     if isinstance(info, dict):
-        features.add_json(info.get("features"))
+        features.add_json(info.get("features"), path)
 
 
 def _walk(root: str, suffix: str, limit: Optional[int] = None) -> List[str]:
@@ -536,36 +562,37 @@ class ParquetSource(TableSource):
             split, files = _parquet_split(path, card, options.subdir)
             description = f"parquet split {split!r} in {len(files)} file(s)"
             if card is not None:
-                _card_features(card, split.split("/")[0] if "/" in split else None, features)
+                _card_features(card, split.split("/")[0] if "/" in split else None, features,
+                               os.path.join(root, _CARD))
         else:
             root, files, description = os.path.dirname(os.path.abspath(path)), [path], "parquet file"
         schemas = []
         for file in files:
             try:
-                with open(file, "rb") as handle:
+                with open_regular(file) as handle:
                     schemas.append(pq.ParquetFile(handle, pre_buffer=False).schema_arrow)
             except (pa.ArrowException, OSError) as exc:
                 raise _arrow_error(file, exc) from None
-            _own_features(schemas[-1], features)
+            _own_features(file, schemas[-1], features)
         image = _image_column(files[0], schemas[0], features, options.image_key)
         label = _label_column(files[0], schemas[0], features, options.label_key, image)
         _check_columns(files, schemas, image, label)
         labels = []
         for file in files:
             try:
-                with open(file, "rb") as handle:
+                with open_regular(file) as handle:
                     parquet = pq.ParquetFile(handle, pre_buffer=False)  # no I/O threads: workers fork after this
                     labels.append([parquet.read_row_group(k, columns=[label], use_threads=False).column(0)
                                    for k in range(parquet.num_row_groups)])
             except (pa.ArrowException, OSError) as exc:
                 raise _arrow_error(file, exc) from None
-        return cls._listed(path, root, files, image, label, labels, features.names.get(label), options, description,
+        return cls._listed(path, root, files, image, label, labels, features, options, description,
                            schemas)
 
     def _open_file(self, path: str) -> Any:
         import pyarrow.parquet as pq
 
-        handle = open(path, "rb")
+        handle = open_regular(path)
         try:
             return pq.ParquetFile(handle, pre_buffer=False), handle
         except BaseException:
@@ -648,23 +675,26 @@ def _check_shards(root: str, files: List[str]) -> None:
 
 
 def _read_card(root: str) -> Optional[dict]:
-    """The YAML front matter of the dataset card (README.md), or None (no card, no PyYAML, not YAML)."""
+    """The YAML front matter of the dataset card (README.md), or None (no card, no PyYAML, not YAML).
+    InvalidSourceError naming the card when it is no regular file, or its YAML uses aliases or nests too deeply."""
     try:
-        import yaml
+        import yaml  # noqa: F401 - only whether it is there
     except ImportError:
         return None
+    where = os.path.join(root, _CARD)
     try:
-        with open(os.path.join(root, _CARD), "rb") as file:
+        with open_regular(where) as file:
             text = file.read(1 << 20).decode("utf-8", "replace")
-    except OSError:
+    except FileNotFoundError:
         return None
+    except NotRegularFile as exc:
+        raise not_regular_error(where, exc) from None
+    except OSError as exc:
+        raise InvalidSourceError(where, f"cannot be read: {exc.strerror}") from None
     match = re.match(r"^---[ \t]*\r?\n(.*?)\r?\n---[ \t]*(\r?\n|$)", text, re.S)
     if not match:
         return None
-    try:
-        document = yaml.safe_load(match.group(1))
-    except yaml.YAMLError:
-        return None
+    document = load_card(where, match.group(1))
     return document if isinstance(document, dict) else None
 
 
@@ -691,13 +721,13 @@ def _card_splits(card: Optional[dict], names: List[str]) -> Dict[str, str]:
     return out
 
 
-def _card_features(card: dict, config: Optional[str], features: _Features) -> None:
-    """Add the features of the card's ``dataset_info`` (of ``config`` when it has several)."""
+def _card_features(card: dict, config: Optional[str], features: _Features, where: str) -> None:
+    """Add the features of the card's ``dataset_info`` (of ``config`` when it has several; ``where``: the card)."""
     info = card.get("dataset_info")
     infos: List[dict] = [i for i in (info if isinstance(info, list) else [info]) if isinstance(i, dict)]
     chosen = [i for i in infos if config is None or i.get("config_name") == config] if len(infos) > 1 else infos
     if len(chosen) == 1:
-        features.add_card(chosen[0].get("features"))
+        features.add_card(chosen[0].get("features"), where)
 
 
 # ---- arrow (save_to_disk) -------------------------------------------------------------------------------
@@ -732,14 +762,14 @@ class ArrowSource(TableSource):
                 found, schema = _read_batches(file)
             except (pa.ArrowException, OSError) as exc:
                 raise _arrow_error(file, exc) from None
-            _own_features(schema, features)
+            _own_features(file, schema, features)
             schemas.append(schema)
             batches.append(found)
         image = _image_column(files[0], schemas[0], features, options.image_key)
         label = _label_column(files[0], schemas[0], features, options.label_key, image)
         _check_columns(files, schemas, image, label)
         labels = [[batch.column(label) for batch in found] for found in batches]
-        return cls._listed(path, root, files, image, label, labels, features.names.get(label), options, description,
+        return cls._listed(path, root, files, image, label, labels, features, options, description,
                            schemas)
 
     def _open_file(self, path: str) -> Any:
@@ -754,9 +784,9 @@ def _read_batches(path: str) -> Tuple[List[Any], Any]:
     """(record batches, schema) of an Arrow stream or file, memory-mapped: nothing is copied."""
     import pyarrow as pa
 
-    source = pa.memory_map(path)
-    with open(path, "rb") as file:
+    with open_regular(path) as file:  # first: a FIFO would wait for a writer for good
         magic = file.read(6)
+    source = pa.memory_map(path)
     if magic == _ARROW_FILE:
         reader = pa.ipc.open_file(source)
         return [reader.get_batch(k) for k in range(reader.num_record_batches)], reader.schema
@@ -801,7 +831,7 @@ def _state_files(folder: str) -> List[str]:
         if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
             raise InvalidSourceError(where, f"names data file {name!r}, which is not a file of its folder: refused")
         full = os.path.join(folder, name)
-        if not os.path.isfile(full):
+        if not os.path.exists(full):  # a FIFO or a folder there is refused when it is read
             raise ArchiveNotFoundError(full, "no such file (state.json lists it)", hint="the dataset is incomplete")
         files.append(full)
     if not files:
@@ -811,17 +841,19 @@ def _state_files(folder: str) -> List[str]:
 
 def _info_features(folder: str, features: _Features) -> None:
     where = os.path.join(folder, "dataset_info.json")
-    if os.path.isfile(where):
+    if os.path.lexists(where):  # a FIFO or a folder there is refused, not passed over
         info = _json(where)
         if isinstance(info, dict):
-            features.add_json(info.get("features"))
+            features.add_json(info.get("features"), where)
 
 
 def _json(path: str) -> Any:
+    """The JSON document in file ``path`` (InvalidSourceError naming it when it is none, or nests too deeply)."""
     try:
-        with open(path, "rb") as file:
-            return json.loads(file.read())
+        with open_regular(path) as file:
+            data = file.read()
+    except NotRegularFile as exc:
+        raise not_regular_error(path, exc) from None
     except OSError as exc:
         raise ArchiveNotFoundError(path, f"cannot read it: {exc.strerror}") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidSourceError(path, f"is not valid JSON ({exc})") from None
+    return load_json(path, data)
