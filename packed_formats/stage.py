@@ -26,14 +26,15 @@ import os
 import shutil
 import time
 import uuid
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Iterator, List, Optional, Tuple
 
 from . import storage
 from .archives import open_archive
 from .backends import PACKED_FORMATS, detect_format
-from .backends.files import publish, remove_path
+from .backends.files import publish, remove_path, temp_path_for
 from .backends.reader import Reader
+from .backends.set_samples import check_sample_index
 from .backends.sharded import read_shard_index
 from .errors import (
     ArchiveChangedError,
@@ -110,6 +111,9 @@ def stage_archive(
         for part in parts:  # each part of a sharded archive is a complete archive of its own
             done, size = _stage_one(part, os.path.join(directory, os.path.basename(part)), check_samples=True)
             copied, nbytes = copied or done, nbytes + size
+        if parts:  # then the set's sample index, which its index records
+            done, size = _stage_sample_index(source, directory)
+            copied, nbytes = copied or done, nbytes + size
         done, size = _stage_one(source, target, check_samples=not parts)
         copied, nbytes = copied or done, nbytes + size
     seconds = time.monotonic() - started
@@ -128,6 +132,27 @@ def _stage_one(source: str, target: str, check_samples: bool) -> Tuple[bool, int
     _copy_verified(source, target, expected, check_samples)
     _write_stamp(target, expected)
     return True, nbytes
+
+
+def _stage_sample_index(source: str, directory: str) -> Tuple[bool, int]:
+    """Copy the sample index that the set's index at ``source`` records (checked against the set's parts,
+    ``set_samples.check_sample_index``) into ``directory``, unless the same is there; (copied, bytes)."""
+    checked = check_sample_index(source)
+    if checked is None:
+        return False, 0
+    path, data = checked
+    target = os.path.join(directory, os.path.basename(path))
+    with suppress(OSError), open(target, "rb") as file:
+        if file.read(len(data) + 1) == data:
+            return False, len(data)
+    temp = temp_path_for(target)
+    try:
+        with open(temp, "wb") as file:
+            file.write(data)
+        publish(temp, target, overwrite=True)
+    finally:
+        remove_path(temp)
+    return True, len(data)
 
 
 def _parts_of(source: str) -> List[str]:

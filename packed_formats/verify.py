@@ -12,6 +12,8 @@ from tqdm import tqdm
 
 from . import codecs, policy
 from .archives import open_archive
+from .backends.set_samples import check_sample_index
+from .backends.sharded import ShardedBackend
 from .errors import CorruptSampleError, printable
 
 STRUCTURE_CHUNK = 4096  # samples whose records in the format's structure are checked at once
@@ -78,15 +80,19 @@ def verify_archive(
     header and central directory entry must name it and agree with the index
     (``Reader.structure_problems``).  Bad samples are counted and the first
     ``max_report`` described (index, key, every problem found); the archive
-    itself is never modified.  ``progress`` shows a progress bar.
+    itself is never modified.  ``progress`` shows a progress bar.  A local sharded
+    set's sample index (``backends.set_samples``) is checked against its parts first.
 
     Raises:
         PackedFormatError: the archive cannot be opened at all (missing, not an
-            archive, never sealed, damaged index).
+            archive, never sealed, damaged index), or a set's sample index is damaged
+            or disagrees with its parts.
     """
     bad: List[BadSample] = []
     bad_count = 0
     with open_archive(path, verify=True) as reader:
+        if type(reader.backend) is ShardedBackend:  # a local set: the sample index beside it, against its parts
+            check_sample_index(os.fspath(path))
         decode_encoded = decode and (reader.mode == "encoded" or any(s.kind == "image" for s in reader.fields))
         kinds: Dict[str, str] = {}  # each image field's kind of image (one channel or colour), as its first sample's
         structure: Dict[int, str] = {}

@@ -392,7 +392,7 @@ def test_sharded_overwrite_removes_the_old_parts(tmp_path, image_folder):
     dst = tmp_path / "data.zip"
     convert(image_folder, dst, shard_size=5, workers=1, quiet=True)
     convert(image_folder, dst, shard_size=20, workers=1, quiet=True, overwrite=True)
-    assert sorted(os.listdir(tmp_path)) == ["data-00000.zip", "data-00001.zip", "data.zip"]
+    assert sorted(os.listdir(tmp_path)) == ["data-00000.zip", "data-00001.zip", "data-samples.npz", "data.zip"]
     assert len(pf.open_archive(dst)) == N
 
 

@@ -69,7 +69,7 @@ def outcome(path: str, intact, **options) -> str:
 def resealed(spec: dict) -> str:
     """``spec`` written as a writer writes an index, with a fresh seal over whatever it now says."""
     extra = {k: v for k, v in spec.items() if k not in ("packed_formats_shards", "format", "set_id", "parts", "crc32")}
-    parts = [(p["name"], p["count"]) for p in spec["parts"]]
+    parts = [(p["name"], p["count"], p.get("content", "")) for p in spec["parts"]]
     return index_text(spec["format"], parts, spec.get("set_id"), **extra)
 
 

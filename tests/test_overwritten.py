@@ -7,7 +7,7 @@ batch checks it first (``Reader.check_unchanged``), in the main process and in D
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 
 import numpy as np
@@ -16,23 +16,28 @@ import torch
 
 import packed_formats as pf
 from packed_formats import codecs
+from packed_formats.backends.sharded import file_digest, index_text
+from packed_formats.manifest import part_of_set
 
 FORMATS = ("zip", "hdf5", "lmdb", "memmap")
 SHAPE = (8, 8, 3)
 COUNT = 12
 CLASSES = ("a", "b", "c")
 HOUR_NS = 3_600 * 10**9
+SET_ID = "0123456789abcdef"
 
 _rng = np.random.default_rng(0)
 PIXELS = [_rng.integers(0, 256, SHAPE, dtype=np.uint8) for _ in range(COUNT)]
 PNGS = [codecs.encode(pixels, "png") for pixels in PIXELS]
 
 
-def write(path: str, fmt: str, mode: str, samples, first_key: int = 0) -> str:
-    """An archive of the given samples (indices into PIXELS, each keeping its label), keyed by place."""
-    with pf.open_writer(path, fmt, mode=mode, shape=SHAPE, classes=CLASSES) as writer:
-        for k, j in enumerate(samples, start=first_key):
-            writer.add(PIXELS[j] if mode == "raw" else PNGS[j], int(j) % len(CLASSES), f"k{k}")
+def write(path: str, fmt: str, mode: str, samples, first_key: int = 0, part=None) -> str:
+    """An archive of the given samples (indices into PIXELS, each keeping its label), keyed by place
+    (``part``: part ``part`` of the set SET_ID)."""
+    with part_of_set(SET_ID, part) if part is not None else contextlib.nullcontext():
+        with pf.open_writer(path, fmt, mode=mode, shape=SHAPE, classes=CLASSES) as writer:
+            for k, j in enumerate(samples, start=first_key):
+                writer.add(PIXELS[j] if mode == "raw" else PNGS[j], int(j) % len(CLASSES), f"k{k}")
     return path
 
 
@@ -57,22 +62,24 @@ def same_size_pair(root, fmt: str, mode: str, shard_size: int = 0):
     for p, samples in enumerate(PARTS[shard_size]):
         name = f"train-{p:05d}" if shard_size else "train"
         names.append((name, len(samples)))
-        write(os.path.join(root, "a", name), fmt, mode, list(samples), samples.start)
+        place = p if shard_size else None
+        write(os.path.join(root, "a", name), fmt, mode, list(samples), samples.start, place)
         for seed in range(1, 100):
             order = [samples.start + int(j) for j in np.random.default_rng(seed).permutation(len(samples))]
             if order == list(samples):
                 continue
-            candidate = write(os.path.join(root, "b", f"{seed}-{name}"), fmt, mode, order, samples.start)
+            candidate = write(os.path.join(root, "b", f"{seed}-{name}"), fmt, mode, order, samples.start, place)
             if sizes(candidate) == sizes(os.path.join(root, "a", name)):
                 os.rename(candidate, os.path.join(root, "b", name))
                 break
         else:
             raise AssertionError(f"no {fmt} {mode} archive the size of {name} found")
-    if shard_size:
-        index = {"packed_formats_shards": 1, "format": fmt, "parts": [{"name": n, "count": c} for n, c in names]}
+    if shard_size:  # each set's index records its own parts' content digests
         for path in (a, b):
+            folder = os.path.dirname(path)
             with open(path, "w") as file:
-                json.dump(index, file)
+                file.write(index_text(fmt, [(n, c, file_digest(os.path.join(folder, n), fmt)) for n, c in names],
+                                      SET_ID))
     return a, b
 
 

@@ -66,7 +66,8 @@ def index_of(s3, url: str) -> dict:
 def put_index(s3, url: str, spec: dict) -> None:
     """Write the set index ``spec`` at ``url``, sealed as a writer seals one (its checksum is no signature)."""
     extra = {k: v for k, v in spec.items() if k not in ("packed_formats_shards", "format", "set_id", "parts", "crc32")}
-    text = index_text(spec["format"], [(p["name"], p["count"]) for p in spec["parts"]], spec.get("set_id"), **extra)
+    parts = [(p["name"], p["count"], p.get("content", "")) for p in spec["parts"]]
+    text = index_text(spec["format"], parts, spec.get("set_id"), **extra)
     s3.put(url, text.encode())
 
 
@@ -176,9 +177,9 @@ def test_part_names_too_long_for_the_file_system_read_through_the_cache(s3_env, 
     for k, name in enumerate(names):
         s3_env.upload(os.path.join(folder, f"train-{k:05d}.zip"), f"s3://{bucket}/{name}")
     with open(local_sets["zip"]) as file:
-        set_id = json.load(file).get("set_id")
-    put_index(s3_env, f"s3://{bucket}/train.zip", {"format": "zip", "set_id": set_id,
-                                                    "parts": [{"name": n, "count": PER_PART} for n in names]})
+        listed = json.load(file)
+    put_index(s3_env, f"s3://{bucket}/train.zip", {"format": "zip", "set_id": listed.get("set_id"), "parts": [
+        {"name": n, "count": PER_PART, "content": p["content"]} for n, p in zip(names, listed["parts"])]})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         remote = read_everything(f"s3://{bucket}/train.zip", tmp_path)
@@ -383,15 +384,24 @@ def test_a_cached_part_that_stays_damaged_names_its_cache_entry_and_url(s3_env, 
 
 
 # ---- a set without a sample index --------------------------------------------------------------------------
+def copy_without_sample_index(s3, local: str) -> str:
+    """The set at ``local`` copied file by file into a new bucket, its index rewritten to record no sample index
+    and that left out (as a set written before conversions wrote one); its URL."""
+    bucket, folder = s3.bucket(), os.path.dirname(local)
+    for name in sorted(os.listdir(folder)):
+        if name != samples_name(os.path.basename(local)):
+            s3.upload(os.path.join(folder, name), f"s3://{bucket}/{name}")
+    url = f"s3://{bucket}/{os.path.basename(local)}"
+    spec = index_of(s3, url)
+    put_index(s3, url, {k: v for k, v in spec.items() if k not in ("samples", "manifest")})
+    return url
+
+
 def test_a_set_copied_without_its_sample_index_is_indexed_once_per_node(s3, s3_proxy, local_sets, tmp_path,
                                                                          monkeypatch):
     proxy = s3_proxy(rate=0.0)
     proxy.use_env(monkeypatch)
-    bucket = s3.bucket()
-    folder = os.path.dirname(local_sets["zip"])
-    for name in sorted(os.listdir(folder)):  # as `aws s3 sync` copies it: the files, no sample index
-        s3.upload(os.path.join(folder, name), f"s3://{bucket}/{name}")
-    url = f"s3://{bucket}/train.zip"
+    url = copy_without_sample_index(s3, local_sets["zip"])
     with pytest.warns(UserWarning, match="no sample index"):
         first = read_everything(url, tmp_path)
     cache = storage.PartCache(str(tmp_path))
@@ -409,11 +419,7 @@ def test_a_set_copied_without_its_sample_index_is_indexed_once_per_node(s3, s3_p
 
 
 def test_a_kept_index_that_disagrees_with_a_part_is_refused_and_built_again(s3_env, local_sets, tmp_path):
-    bucket = s3_env.bucket()
-    folder = os.path.dirname(local_sets["zip"])
-    for name in sorted(os.listdir(folder)):
-        s3_env.upload(os.path.join(folder, name), f"s3://{bucket}/{name}")
-    url = f"s3://{bucket}/train.zip"
+    url = copy_without_sample_index(s3_env, local_sets["zip"])
     with pytest.warns(UserWarning, match="no sample index"):
         first = read_everything(url, tmp_path)
     (kept,) = tmp_path.glob("*/.pf/index-*")
@@ -442,3 +448,32 @@ def test_the_upload_command_has_help_with_examples(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["upload", "--help"])
     assert exit_info.value.code == 0 and "packed-formats upload " in capsys.readouterr().out.split("examples:")[1]
+
+
+def test_a_folder_part_listing_a_file_and_a_folder_of_one_name_is_refused_naming_both(s3_env, local_sets, tmp_path):
+    url = uploaded(s3_env, local_sets["memmap"])
+    s3_env.put(url.rsplit("/", 1)[0] + "/train-00000.memmap/images.npy/x", b"theirs")
+    with pytest.raises(CorruptArchiveError) as caught:
+        with pf.open_archive(url, cache_dir=tmp_path / "cache") as reader:
+            reader.read(0)
+    message = str(caught.value)
+    assert "train-00000.memmap" in message and "'images.npy'" in message and "'images.npy/x'" in message
+
+
+def test_a_folder_part_download_that_fails_leaves_no_task_pending(s3_env, local_sets, tmp_path):
+    """One object of a folder part changed since the set was opened: its download fails, and its
+    siblings' downloads, under way on the same event loop, are cancelled and ended with it (a task left
+    pending is destroyed with a traceback when the process exits)."""
+    import asyncio
+
+    from packed_formats.storage import remote as remote_module
+
+    url = uploaded(s3_env, local_sets["memmap"])
+    with pf.open_archive(url, cache_dir=tmp_path / "cache") as reader:
+        folder = url.rsplit("/", 1)[0] + "/train-00000.memmap"
+        changed = sorted(s3_env.fs().find(folder))[0]
+        s3_env.put(f"s3://{changed}", b"another version")
+        with pytest.raises(PackedFormatError, match="changed"):
+            reader.read(0)
+    left = [t for pooled in remote_module._POOL.every for t in asyncio.all_tasks(pooled.loop) if not t.done()]
+    assert left == []

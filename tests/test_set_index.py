@@ -19,7 +19,14 @@ import pytest
 
 import packed_formats as pf
 from packed_formats import codecs, storage
-from packed_formats.backends.sharded import INDEX_VERSION, ShardedWriter, index_text, read_shard_index
+from packed_formats.backends.sharded import (
+    INDEX_VERSION,
+    ShardedWriter,
+    file_digest,
+    index_text,
+    part_digest,
+    read_shard_index,
+)
 from packed_formats.cli import main
 from packed_formats.manifest import FORMAT_VERSION, PLAIN_VERSION, SET_VERSION
 from packed_formats.writing import parts
@@ -69,6 +76,12 @@ def reseal(path: str, change) -> None:
         json.dump(content, file, indent=1)
 
 
+def record_content(path: str, k: int) -> None:
+    """Record part k's content digest as the set's index's, sealed again: an index that lists that part."""
+    digest = file_digest(part(path, k), read_shard_index(path)["format"])
+    reseal(path, lambda content: content["parts"][k].__setitem__("content", digest))
+
+
 def copy_over(source: str, target: str) -> None:
     """Copy one part (a file, or a memmap folder) over another."""
     if os.path.isdir(target):
@@ -105,13 +118,15 @@ def test_the_index_is_sealed_and_each_part_names_the_set_and_its_place(tmp_path,
     with open(path) as file:
         content = json.load(file)
     seal = content.pop("crc32")
-    assert content["packed_formats_shards"] == INDEX_VERSION == 2
+    assert content["packed_formats_shards"] == INDEX_VERSION == 3
     assert re.fullmatch(r"[0-9a-f]{16}", content["set_id"]) and seal == canonical_crc32(content)
-    assert content["parts"] == [{"name": parts.part_name(path, k), "count": c} for k, c in enumerate((3, 3, 2))]
+    assert [(p["name"], p["count"]) for p in content["parts"]] == [(parts.part_name(path, k), c)
+                                                                  for k, c in enumerate((3, 3, 2))]
     for k in range(3):
         with pf.open_archive(part(path, k)) as reader:
             assert (reader.manifest.set_id, reader.manifest.part) == (content["set_id"], k)
             assert reader.manifest.format_version == SET_VERSION
+            assert content["parts"][k]["content"] == part_digest(reader.manifest)  # what the part holds
     with pf.open_archive(path) as reader:
         assert (reader.manifest.set_id, reader.manifest.part) == (content["set_id"], -1)
     assert read_every_sample(path) == list(range(SAMPLES))
@@ -222,12 +237,23 @@ def test_an_index_listing_a_part_twice_is_refused(tmp_path, version):
 
 
 # ---- old sets, and indexes rewritten the old way ----------------------------------------------------------------
+@pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_an_old_set_with_a_version_1_index_still_reads(tmp_path, fmt):
-    path = write_legacy_set(tmp_path, fmt)
-    assert read_shard_index(path)["set_id"] is None
-    assert read_every_sample(path) == list(range(SAMPLES))
-    assert main(["verify", "--quiet", path]) == 0
+def test_an_old_set_whose_index_records_no_content_is_refused_saying_to_convert_it_again(tmp_path, fmt, version,
+                                                                                         capsys):
+    if version == 1:  # as the oldest packed_formats wrote it
+        path = write_legacy_set(tmp_path, fmt)
+        assert read_shard_index(path)["set_id"] is None
+    else:  # as the one before this wrote it: sealed, with a set id, no content digests
+        path = write_set(tmp_path, fmt)
+        reseal(path, lambda content: (content.__setitem__("packed_formats_shards", 2),
+                                      [p.pop("content") for p in content["parts"]]))
+        assert read_shard_index(path)["contents"] is None
+    with pytest.raises(pf.CorruptArchiveError, match=rf"index is of version {version} .* does not record what each "
+                                                     r"part holds.*convert the set again"):
+        pf.open_archive(path)
+    assert main(["verify", "--decode", path]) != 0
+    assert "convert the set again" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -238,8 +264,7 @@ def test_a_version_1_index_over_parts_that_name_a_set_is_refused(tmp_path, fmt):
     with open(path, "w") as file:  # what an older tool, or a hand, writes: no seal, no set id
         json.dump({"packed_formats_shards": 1, "format": content["format"], "parts": content["parts"]}, file)
     with pytest.raises(pf.CorruptArchiveError,
-                       match=rf"part {re.escape(part(path, 0))} says it is part 0 of set {content['set_id']}, but "
-                             r"the index is of version 1"):
+                       match=r"the set's index is of version 1 .* does not record what each part holds"):
         pf.open_archive(path)
 
 
@@ -247,7 +272,8 @@ def test_a_sealed_index_over_parts_that_name_no_set_is_refused(tmp_path):
     path = write_legacy_set(tmp_path, "hdf5")
     index = read_shard_index(path)
     with open(path, "w") as file:
-        file.write(index_text("hdf5", list(zip(index["names"], index["counts"])), "0123456789abcdef"))
+        file.write(index_text("hdf5", [(name, count, file_digest(os.path.join(tmp_path, name), "hdf5"))
+                                       for name, count in zip(index["names"], index["counts"])], "0123456789abcdef"))
     with pytest.raises(pf.CorruptArchiveError,
                        match=rf"part {re.escape(part(path, 0))} names no set .* lists it as part 0 of set "
                              r"0123456789abcdef"):
@@ -275,6 +301,7 @@ def test_parts_of_other_encodings_join_as_mixed(tmp_path):
     path = write_set(tmp_path / "a", "zip", mode="encoded", encoding="png")
     other = write_set(tmp_path / "b", "zip", set_id=read_shard_index(path)["set_id"], mode="encoded", encoding="jpeg")
     copy_over(part(other, 1), part(path, 1))
+    record_content(path, 1)
     with pf.open_archive(path) as reader:
         assert reader.manifest.encoding == "mixed" and len(reader) == SAMPLES
 

@@ -247,8 +247,8 @@ def test_stage_copies_a_sharded_archive_with_all_its_parts(sharded_archive, tmp_
     result = stage_archive(sharded_archive, tmp_path / "local")
     assert result.copied
     assert sorted(n for n in os.listdir(tmp_path / "local") if not n.startswith(".")) == [
-        "train-00000.zip", "train-00001.zip", "train-00002.zip", "train.zip"
-    ]
+        "train-00000.zip", "train-00001.zip", "train-00002.zip", "train-samples.npz", "train.zip"
+    ]  # the set's sample index too: a staged set copied on by any tool keeps it
     assert_same_archive(result.path, sharded_archive)
     assert not stage_archive(sharded_archive, tmp_path / "local").copied
 

@@ -3,20 +3,32 @@
 ``convert --shard-size N`` writes parts ``<stem>-00000<ext>``, ``<stem>-00001<ext>``...
 beside the destination and, at the destination itself, an index::
 
-    {"packed_formats_shards": 2, "format": "zip", "set_id": "3f2c9a0d51e47b86",
-     "parts": [{"name": "train-00000.zip", "count": 1000}, ...], "crc32": 2706264151}
+    {"packed_formats_shards": 3, "format": "zip", "set_id": "3f2c9a0d51e47b86",
+     "parts": [{"name": "train-00000.zip", "count": 1000, "content": "0c4e2f1a9b7d3e58"}, ...],
+     "crc32": 2706264151}
 
 Part names are relative to the index's directory.  Each part is a complete
-archive of its own.  The index is sealed: ``crc32`` is the CRC32 of the canonical
-JSON text (``manifest.canonical_json``) of everything else in it, and a damaged
+archive of its own.  Beside the parts lies the set's sample index, ``<stem>-samples.npz``
+(``set_samples``), which the index records (``samples``, and the set's ``manifest``) for a
+reader that would otherwise fetch every part to index the set (``storage.remote_set``).
+The index is sealed: ``crc32`` is the CRC32 of the canonical JSON text
+(``manifest.canonical_json``) of everything else in it, and a damaged
 index is refused (``index_text`` writes one, ``read_shard_index`` checks it).  Each
 part's manifest names the set's id and the part's place in it (``set_id``,
 ``part``): a part listed twice, copied over another, renamed or taken from another
 set is refused when the set is opened, naming the part and what it says, and so is
 a part that differs from the first in mode, shape, dtype, classes, checksum kind or fields
-(encodings may differ: the set's is then "mixed").  An index of version 1 (no seal,
-no set id) is still read, its parts checked for all but their place; one whose
-parts name a set is refused (an index rewritten without its seal).
+(encodings may differ: the set's is then "mixed").
+
+A set's id names the plan it was converted by (``writing.parts.set_id``), not
+what its parts hold: two conversions of sources that list the same names with
+other pixels share it.  So the index also records each part's content digest
+(``part_digest``: of the CRC32s of the part's index arrays, which hold every
+sample's CRC32, label and key), and a part whose own manifest gives another
+digest is refused by name: a part of another set converted by the same plan
+never reads as this set's.  An index of an older version (1: no seal, no set id;
+2: no content digests) records nothing that could tell such a part, so a set
+indexed so is refused when opened, saying to convert it again.
 
 The sharded backend is a span layer over the parts'
 Readers (each with its own per-process handle), used through their public API
@@ -55,6 +67,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import itertools
 import json
 import os
@@ -82,7 +95,7 @@ from .base import Backend, FormatSpec, Handle, WriteTransaction
 from .files import publish, remove_path, temp_path_for
 from .reader import Reader
 
-INDEX_VERSION = 2  # 2: sealed (``crc32``), with the set's id; 1: neither (still read)
+INDEX_VERSION = 3  # 3: each part's content digest; 2: sealed (``crc32``), with the set's id; 1: neither
 SEAL = "crc32"  # the index's key of its own checksum
 _MAGIC = re.compile(rb'\s*\{\s*"packed_formats_shards"\s*:')
 _SET_ID = re.compile(r"[0-9a-f]{16}")
@@ -104,14 +117,23 @@ def new_set_id() -> str:
     return secrets.token_hex(8)
 
 
-def index_text(format: str, parts: Sequence[Tuple[str, int]], set_id: Optional[str], **extra: Any) -> str:
-    """The text of a set's index: its parts' format, (name, sample count) of each part in order, the
-    set's id and any ``extra`` keys (an uploaded set's "samples" and "manifest"), sealed with the
-    CRC32 of all of it.  ``set_id`` None writes the unsealed version 1, for a set whose parts name no
-    set (written by an older packed_formats).
+def part_digest(manifest: ArchiveManifest) -> str:
+    """The content digest of the part whose manifest is ``manifest`` (16 hexadecimal digits): of its
+    sample count and the CRC32s of its index arrays, which hold every sample's CRC32 (its bytes), label
+    and key, and each field's.  Parts that hold other samples differ in it, whatever set they name."""
+    described = json.dumps({"count": manifest.count, "index_crc32": dict(manifest.index_crc32)}, sort_keys=True)
+    return hashlib.sha256(described.encode()).hexdigest()[:16]
+
+
+def index_text(format: str, parts: Sequence[Tuple[str, int, str]], set_id: Optional[str], **extra: Any) -> str:
+    """The text of a set's index: its parts' format, (name, sample count, content digest) of each part
+    in order, the set's id and any ``extra`` keys (an uploaded set's "samples" and "manifest"), sealed
+    with the CRC32 of all of it.  ``set_id`` None writes the unsealed version 1 (no digests), for a set
+    whose parts name no set (written by an older packed_formats).
 
     Raises:
-        ValueError: ``set_id`` is not 16 lowercase hexadecimal digits, or ``extra`` names a key of its own.
+        ValueError: ``set_id`` or a part's digest is not 16 lowercase hexadecimal digits, or ``extra``
+            names a key of its own.
     """
     content: Dict[str, Any] = {
         "packed_formats_shards": INDEX_VERSION if set_id is not None else 1,  # first: what is_shard_index sees
@@ -121,7 +143,13 @@ def index_text(format: str, parts: Sequence[Tuple[str, int]], set_id: Optional[s
         if not isinstance(set_id, str) or not _SET_ID.fullmatch(set_id):
             raise ValueError(f"a set id is 16 lowercase hexadecimal digits, got {set_id!r}")
         content["set_id"] = set_id
-    content["parts"] = [{"name": name, "count": int(count)} for name, count in parts]
+    if set_id is None:
+        content["parts"] = [{"name": name, "count": int(count)} for name, count, _ in parts]
+    else:
+        for name, _, digest in parts:
+            if not isinstance(digest, str) or not _SET_ID.fullmatch(digest):
+                raise ValueError(f"part {name}'s content digest is 16 lowercase hexadecimal digits, got {digest!r}")
+        content["parts"] = [{"name": name, "count": int(count), "content": digest} for name, count, digest in parts]
     clash = set(extra) & (set(content) | {"set_id", SEAL})
     if clash:
         raise ValueError(f"an index's own keys cannot be given as extra ones: {sorted(clash)}")
@@ -137,13 +165,14 @@ def _seal(content: Dict[str, Any]) -> int:
 
 
 def read_shard_index(path: str) -> dict:
-    """The parsed index at ``path``: its parts' ``format``, their ``names`` and ``counts``, its
-    ``version`` and the set's ``set_id`` (None in a version 1 index).
+    """The parsed index at ``path``: its parts' ``format``, their ``names``, ``counts`` and content
+    digests (``contents``: None in an index older than version 3), its ``version`` and the set's
+    ``set_id`` (None in a version 1 index).
 
     Parts are confined to the index's directory: each name is a plain file
     name (no separators, not "." or ".."), listed once, and each part is a
     packed archive of one format that is neither a folder nor another shard
-    index.  A version 2 index must match its seal.
+    index.  An index of version 2 or later must match its seal.
 
     Raises:
         ArchiveNotFoundError: nothing at ``path``.
@@ -162,6 +191,7 @@ def read_shard_index(path: str) -> dict:
     if not 1 <= version <= INDEX_VERSION or not names:
         raise CorruptArchiveError(path, "not a valid shard index (unknown version, or no parts)")
     set_id = _check_seal(path, spec) if version >= 2 else None
+    contents = _contents(path, spec["parts"]) if version >= 3 else None
     for name in names:
         if name in ("", ".", "..") or os.path.basename(name) != name or "/" in name or "\\" in name:
             raise CorruptArchiveError(path, f"part name {name!r} is not a plain file name beside the index")
@@ -176,7 +206,19 @@ def read_shard_index(path: str) -> dict:
         raise CorruptArchiveError(path, f"parts of format {part_format!r} cannot be shards (a packed format is needed)")
     if any(c < 0 for c in counts):
         raise CorruptArchiveError(path, "a part has a negative sample count")
-    return {"format": part_format, "names": names, "counts": counts, "version": version, "set_id": set_id}
+    return {"format": part_format, "names": names, "counts": counts, "version": version, "set_id": set_id,
+            "contents": contents}
+
+
+def _contents(path: str, parts: List[Any]) -> List[str]:
+    """Each part's content digest, as a version 3 index at ``path`` lists them (CorruptArchiveError
+    when one is missing or not 16 hexadecimal digits)."""
+    contents = [p.get("content") for p in parts]
+    for p, digest in enumerate(contents):
+        if not isinstance(digest, str) or not _SET_ID.fullmatch(digest):
+            raise CorruptArchiveError(path, f"not a valid shard index: part {p}'s content digest {digest!r} is not "
+                                            "16 hexadecimal digits")
+    return contents
 
 
 def _check_seal(path: str, spec: Dict[str, Any]) -> str:
@@ -292,6 +334,13 @@ class ShardedBackend(Backend[ShardedHandle]):
         from . import spec
 
         index_spec = read_shard_index(path)
+        if index_spec["version"] < INDEX_VERSION:
+            raise CorruptArchiveError(
+                path, f"the set's index is of version {index_spec['version']} (written by an older packed_formats), "
+                      "which does not record what each part holds: a part of another set converted with the same "
+                      "source listing and options would be read as this set's",
+                hint="convert the set again with this packed_formats (what its parts hold cannot be vouched for now)",
+            )
         directory = os.path.dirname(os.path.abspath(path))
         backend = spec(index_spec["format"]).backend
         # each part's index stays mapped from its file (index_map's maps hold no descriptor)
@@ -469,6 +518,7 @@ def _check_parts(path: str, parts: List[Reader], index_spec: Dict[str, Any]) -> 
             raise CorruptArchiveError(path, f"part {part.path} holds {len(part)} samples, index says {count}")
         check_part(path, part.path, part.manifest, p, index_spec["set_id"], index_spec["format"])
         check_agreement(path, part.path, part.manifest, first.manifest, f"the first part, {first.path}")
+        check_content(path, part.path, part.manifest, p, index_spec["set_id"], index_spec["contents"][p])
 
 
 def check_part(path: str, part_path: str, manifest: ArchiveManifest, position: int, set_id: Optional[str],
@@ -504,6 +554,24 @@ def check_part(path: str, part_path: str, manifest: ArchiveManifest, position: i
         raise CorruptArchiveError(
             path, f"part {part_path} says it is part {manifest.part} of this set, but the index lists it as "
                   f"part {position}", hint=hint)
+
+
+def check_content(path: str, part_path: str, manifest: ArchiveManifest, position: int, set_id: Optional[str],
+                  content: str) -> None:
+    """That the part at ``part_path``, listed at ``position`` in the index at ``path`` of the set ``set_id``,
+    holds what that part held when the set was written: its content digest is ``content``, the index's.
+
+    Raises:
+        CorruptArchiveError: the part holds other samples (naming the part and both digests).
+    """
+    digest = part_digest(manifest)
+    if digest != content:
+        raise CorruptArchiveError(
+            path, f"part {part_path} holds other samples than part {position} of set {set_id} held when the set "
+                  f"was written (its content digest is {digest}, the index records {content}): a part of another "
+                  "conversion by the same plan (the same source listing, location and options), or one written again "
+                  "since",
+            hint="restore the set's own part, or convert the set again")
 
 
 def check_agreement(path: str, part_path: str, manifest: ArchiveManifest, reference: ArchiveManifest,
@@ -579,10 +647,11 @@ SPEC = FormatSpec("sharded", ShardedBackend, None, (), _sniff)
 
 
 class ShardedWriter(WriteTransaction):
-    """Writes parts of at most ``shard_size`` samples, then the index at ``path``.
+    """Writes parts of at most ``shard_size`` samples, their sample index (``set_samples``), then the
+    index at ``path``.
 
     Parts are written into a temporary folder beside ``path`` and moved into
-    place only at close(), parts first and the index last, so an interrupted
+    place only at close(), parts first, then the sample index, and the index last, so an interrupted
     conversion leaves nothing at ``path``.  Options are those of Writer, and
     ``set_id``: the set's id (16 hexadecimal digits; by default a new random
     one), named by the index and by each part's manifest.
@@ -605,10 +674,11 @@ class ShardedWriter(WriteTransaction):
         self._writer_class = writer_class(format)
         self.temp_path = temp_path_for(self.path)
         os.mkdir(self.temp_path)
-        self._parts: List[Tuple[str, int]] = []
+        self._parts: List[Tuple[str, int, str]] = []  # (name, count, content digest)
         self._current: Optional[Any] = None
         self._count = 0
-        self.paths: List[str] = []  # published files, index last
+        self.paths: List[str] = []  # published parts, then the index
+        self.samples_path: Optional[str] = None  # the published sample index (``set_samples``)
 
     def __len__(self) -> int:
         return self._count
@@ -627,13 +697,15 @@ class ShardedWriter(WriteTransaction):
         self._finish_part()
         name = part_name(self.path, len(self._parts))
         self._current = self._writer_class(os.path.join(self.temp_path, name), **self.options)
-        self._parts.append((name, 0))
+        self._parts.append((name, 0, ""))
 
     def _finish_part(self) -> None:
         if self._current is not None:
             with part_of_set(self.set_id, len(self._parts) - 1):  # the part's manifest is written at close
                 self._current.close()
-            self._parts[-1] = (self._parts[-1][0], len(self._current))
+            name = self._parts[-1][0]
+            self._parts[-1] = (name, len(self._current), file_digest(os.path.join(self.temp_path, name),
+                                                                        self.format))
             self._current = None
 
     def close(self) -> None:
@@ -645,23 +717,39 @@ class ShardedWriter(WriteTransaction):
             index_temp = os.path.join(self.temp_path, "index.json")
             with open(index_temp, "w") as file:
                 file.write(index_text(self.format, self._parts, self.set_id))
-            self._publish_all(index_temp)
+            samples_temp = self._write_samples(index_temp)
+            self._publish_all(index_temp, samples_temp)
         except BaseException:
             self.abort()
             raise
         remove_path(self.temp_path)
 
-    def _publish_all(self, index_temp: str) -> None:
+    def _write_samples(self, index_temp: str) -> str:
+        """Write the set's sample index beside the parts in the temporary folder, and the index at
+        ``index_temp`` again, sealed over its record of it (``set_samples``); return the sample index's path."""
+        from .set_samples import sample_index, samples_name
+
+        name = samples_name(os.path.basename(self.path))
+        data, text = sample_index(index_temp, name)
+        samples_temp = os.path.join(self.temp_path, name)
+        with open(samples_temp, "wb") as file:
+            file.write(data)
+        with open(index_temp, "w") as file:
+            file.write(text)
+        return samples_temp
+
+    def _publish_all(self, index_temp: str, samples_temp: str) -> None:
         directory = os.path.dirname(os.path.abspath(self.path))
-        finals = [os.path.join(directory, name) for name, _ in self._parts]
+        names = [name for name, _, _ in self._parts] + [os.path.basename(samples_temp)]
+        finals = [os.path.join(directory, name) for name in names]
         if not self.overwrite:
             for final in finals:
                 if os.path.lexists(final):
                     raise ArchiveExistsError(final, "already exists", hint="pass overwrite=True to replace it")
-        for (name, _), final in zip(self._parts, finals):
+        for name, final in zip(names, finals):  # the parts, then their sample index, then the index
             publish(os.path.join(self.temp_path, name), final, overwrite=self.overwrite)
         publish(index_temp, self.path, overwrite=self.overwrite)
-        self.paths = finals + [self.path]
+        self.paths, self.samples_path = finals[:-1] + [self.path], finals[-1]
 
     def abort(self) -> None:
         """Discard everything written; nothing at ``path`` changes."""
@@ -669,6 +757,31 @@ class ShardedWriter(WriteTransaction):
             self._current.abort()
             self._current = None
         remove_path(self.temp_path)
+
+
+def file_digest(path: str, format: str) -> str:
+    """The content digest of the part of ``format`` at ``path`` (just written, or staged and checked), read
+    from its manifest."""
+    from . import spec
+
+    manifest, _ = spec(format).backend.read_metadata(path)
+    return part_digest(manifest)
+
+
+def existing_set_files(path: str) -> List[str]:
+    """The files of the sharded archive now at ``path`` beside its index: its parts, then the sample index
+    its index records, when it has the name a conversion gives it (none if it is not one)."""
+    from .set_samples import recorded_samples, samples_name
+
+    parts = existing_parts(path)
+    try:
+        record = recorded_samples(path) if parts else None
+    except (OSError, ValueError, PackedFormatError):
+        record = None
+    name = samples_name(os.path.basename(path))
+    if record is None or record["name"] != name:  # no other file beside it is taken for one
+        return parts
+    return parts + [os.path.join(os.path.dirname(os.path.abspath(path)), name)]
 
 
 def existing_parts(path: str) -> List[str]:

@@ -3,9 +3,10 @@
 Opening ``s3://bucket/train.zip`` (a sharded set's index, or one archive of any format) reads
 only small things: the set's index, the list of its parts with each one's size and ETag
 (recorded now: a part that changes in the store later is refused by name), and the set's
-sample index (labels, keys, CRC32s), which ``upload`` writes beside the parts
-(``<stem>-samples.npz``, its CRC32 in the set's index).  A set without one (a single archive,
-or parts uploaded by other means) is indexed by fetching each part once, through the cache.
+sample index (labels, keys, CRC32s), which a sharded conversion, ``join`` and ``upload`` write
+beside the parts (``<stem>-samples.npz``, its CRC32 in the set's index; ``backends.set_samples``),
+so a set copied into the store by any tool has it.  A set without one (a single archive, or a set
+written by an older packed_formats) is indexed by fetching each part once, through the cache.
 
 Reading a sample needs its part: the first process on the node that needs it downloads it
 into the cache (``PartCache``), checks it on arrival (the part's own index and manifest
@@ -36,7 +37,6 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
-import io
 import json
 import os
 import re
@@ -47,12 +47,15 @@ import numpy as np
 
 from ..backends.files import remove_path
 from ..backends.reader import Reader
+from ..backends.set_samples import SAMPLE_FIELDS, npz_arrays
 from ..backends.sharded import (
     AGREEING_FIELDS,
     ShardedBackend,
     ShardedHandle,
     check_agreement,
+    check_content,
     check_part,
+    file_digest,
     index_text,
     is_shard_index,
     read_shard_index,
@@ -139,7 +142,7 @@ def _remote_backend(url: str, cache_dir: Optional[str], cache_limit: Any, storag
         arrays = _fetch_samples(store, description["samples"], folder)
     return RemoteSetBackend.create(local_index, url, part_format, description["parts"], cache, store,
                                    description.get("manifest"), arrays, set_id=description.get("set_id"),
-                                   indexed=bool(description.get("indexed")))
+                                   contents=description.get("contents"), indexed=bool(description.get("indexed")))
 
 
 def stage_remote(url: str, to: str, storage_options: Optional[Dict[str, Any]] = None) -> Tuple[str, bool, int]:
@@ -159,11 +162,12 @@ def stage_remote(url: str, to: str, storage_options: Optional[Dict[str, Any]] = 
             backend.fetch(p)
             fetched = fetched or not before
         nbytes = sum(part.info.size for part in backend.remote_parts)
-        if len(backend.remote_parts) == 1 and backend.remote_parts[0].url == backend.url:
+        if not backend.indexed or (len(backend.remote_parts) == 1 and backend.remote_parts[0].url == backend.url):
             return backend.entry_path(0), fetched, nbytes  # one archive: the cached copy is it
-        text = index_text(backend.part_format, [(os.path.basename(backend.entry_path(p)), part.count)
-                                                for p, part in enumerate(backend.remote_parts)],
-                          backend.set_id if backend.indexed else None)
+        text = index_text(backend.part_format, [(os.path.basename(backend.entry_path(p)), part.count,
+                                                 file_digest(backend.entry_path(p), backend.part_format))
+                                                for p, part in enumerate(backend.remote_parts)],  # each checked
+                          backend.set_id)  # None (an index of version 1): a local set that is refused by name
         local = os.path.join(os.path.dirname(backend.path), f"local-{os.path.basename(backend.path)}")
         temp = f"{local}.tmp-{os.getpid()}"
         with cache_errors(to, f"write the staged set's index {local}"):
@@ -254,7 +258,8 @@ def _describe(url: str, store: Store) -> Dict[str, Any]:
             parts = [RemotePart(n, join(url, n), c, object_info(i))
                      for n, c, i in zip(index["names"], index["counts"], infos)]
         return {"format": index["format"], "parts": parts, "samples": _samples_entry(url, spec.get("samples")),
-                "manifest": spec.get("manifest"), "set_id": index.get("set_id"), "indexed": True}
+                "manifest": spec.get("manifest"), "set_id": index.get("set_id"), "contents": index.get("contents"),
+                "indexed": True}
 
     return store.run(url, body)
 
@@ -307,6 +312,12 @@ def _folder_part(url: str, files: Dict[str, ObjectInfo], count: int) -> RemotePa
         raise RemoteNotFoundError(url, "no such object or folder in the store")
     for key in files:
         check_relative_key(url, key)
+        components = key.split("/")
+        for folder in ("/".join(components[:depth]) for depth in range(1, len(components))):
+            if folder in files:  # s3 lists both; a local copy (and the store's own HEAD) cannot hold both
+                raise CorruptArchiveError(url, f"the store lists both an object {folder!r} and an object {key!r} "
+                                               "in this folder: a file and a folder of one name, so it is not read",
+                                          hint="remove one of them from the store")
     digest = hashlib.sha1(json.dumps({k: v.to_json() for k, v in files.items()}, sort_keys=True).encode())
     total = ObjectInfo(sum(v.size for v in files.values()), digest.hexdigest())
     return RemotePart(basename(url), url, count, total, files)
@@ -328,8 +339,6 @@ def _sniff_head(url: str, head: bytes, size: int) -> str:
     return found
 
 
-# a sample index's arrays: nothing else is read or written (field_crc32: one row of CRC32s a field of the manifest)
-SAMPLE_FIELDS = ("labels", "keys", "crc32", "counts", "field_crc32")
 _FIELD_DTYPES = {"labels": np.dtype(np.int64), "crc32": np.dtype(np.uint32), "counts": np.dtype(np.int64),
                  "field_crc32": np.dtype(np.uint32)}
 REDOWNLOAD_HINT = "open the set again; if this persists, upload the set again (packed-formats upload)"
@@ -341,7 +350,13 @@ def _fetch_samples(store: Store, samples: Dict[str, Any], folder: str) -> Dict[s
     target = os.path.join(folder, ".pf", f"samples-{expected_crc:08x}-{size}")
 
     def fetch() -> Tuple[Dict[str, np.ndarray], Optional[str]]:
-        data = store.read(url, 0, size)
+        try:
+            data = store.read(url, 0, size)
+        except RemoteNotFoundError:  # a copy of the set that left it out
+            raise RemoteNotFoundError(
+                url, "no such object in the store, but the set's index records it as the set's sample index",
+                hint=f"copy every file of the set, {samples['name']} too (it lies beside the set's index where "
+                     "the set was converted), or put the set there with packed-formats upload") from None
         if zlib.crc32(data) != expected_crc:
             raise RemoteChangedError(url, "the set's sample index does not match the CRC32 its index records",
                                      hint="upload the set again, or open it again if it was being replaced")
@@ -351,33 +366,8 @@ def _fetch_samples(store: Store, samples: Dict[str, Any], folder: str) -> Dict[s
 
 
 def _npz_arrays(url: str, data: bytes) -> Dict[str, np.ndarray]:
-    """The arrays of a sample index's .npz bytes: only SAMPLE_FIELDS, stored (not compressed), no pickle."""
-    import zipfile
-
-    try:
-        npz = np.load(io.BytesIO(data), allow_pickle=False)
-    except Exception as exc:  # noqa: BLE001 - whatever the bytes are, they are not a sample index
-        raise CorruptArchiveError(url, f"the sample index is not an .npz file ({type(exc).__name__}: {exc})",
-                                  hint=REDOWNLOAD_HINT) from None
-    if not isinstance(npz, np.lib.npyio.NpzFile):
-        raise CorruptArchiveError(url, "the sample index is a single array, not an .npz file of named arrays",
-                                  hint=REDOWNLOAD_HINT)
-    arrays = {}
-    with npz:
-        for member in npz.zip.infolist() if npz.zip is not None else ():
-            name = member.filename[:-4] if member.filename.endswith(".npy") else member.filename
-            if name not in SAMPLE_FIELDS:
-                raise CorruptArchiveError(url, f"the sample index holds a field {member.filename!r}; it may hold "
-                                               f"only {', '.join(SAMPLE_FIELDS)}", hint=REDOWNLOAD_HINT)
-            if member.compress_type != zipfile.ZIP_STORED:
-                raise CorruptArchiveError(url, f"the sample index's field {name!r} is compressed (it is stored "
-                                               "as is)", hint=REDOWNLOAD_HINT)
-            try:
-                arrays[name] = npz[name]
-            except Exception as exc:  # noqa: BLE001 - a pickled array, a damaged header...
-                raise CorruptArchiveError(url, f"the sample index's field {name!r} cannot be read ("
-                                               f"{type(exc).__name__}: {exc})", hint=REDOWNLOAD_HINT) from None
-    return arrays
+    """The arrays of a sample index's .npz bytes read from ``url`` (``set_samples.npz_arrays``)."""
+    return npz_arrays(url, data, REDOWNLOAD_HINT)
 
 
 def _cached_arrays(url: str, target: str, make: Any) -> Tuple[Dict[str, np.ndarray], Optional[str]]:
@@ -525,10 +515,12 @@ class RemoteSetBackend(ShardedBackend):
     @classmethod
     def create(cls, local_index: str, url: str, part_format: str, parts: List[RemotePart], cache: PartCache,
                store: Store, manifest_text: Optional[str], arrays: Optional[Dict[str, np.ndarray]], *,
-               set_id: Optional[str] = None, indexed: bool = False) -> "RemoteSetBackend":
+               set_id: Optional[str] = None, contents: Optional[List[str]] = None, indexed: bool = False
+               ) -> "RemoteSetBackend":
         """The backend of the set at ``url``: ``parts`` as its index lists them (of the set ``set_id`` when
-        ``indexed``: a set index, not one archive), its manifest and sample index given or built from the
-        parts; CorruptArchiveError naming the field when they do not fit each other."""
+        ``indexed``: a set index, not one archive, which may record each part's content digest: ``contents``),
+        its manifest and sample index given or built from the parts; CorruptArchiveError naming the field
+        when they do not fit each other."""
         _check_listed_once(url, parts)
         kept = None
         if arrays is None or manifest_text is None:
@@ -542,6 +534,7 @@ class RemoteSetBackend(ShardedBackend):
         backend = cls(local_index, manifest, index, url=url, part_format=part_format, remote_parts=parts,
                       cache=cache, store=store, arrays=arrays)
         backend.set_id, backend.indexed, backend.kept_index = set_id, indexed, kept
+        backend.contents = contents if indexed else None
         return backend
 
     def __init__(self, path: str, manifest: ArchiveManifest, index: SampleIndex, *, url: str, part_format: str,
@@ -553,6 +546,7 @@ class RemoteSetBackend(ShardedBackend):
         self.starts = np.cumsum([0] + [p.count for p in remote_parts]).astype(np.int64)
         self.set_id: Optional[str] = None  # the set's id its index names (None: a version 1 index, or one archive)
         self.indexed = False  # whether the parts come from a set's index (each then names its place in the set)
+        self.contents: Optional[List[str]] = None  # each part's content digest, as the index records it (or not)
         self.kept_index: Optional[str] = None  # the cache folder of the index built from the parts, if it is one
         self._held = ProcessLocal(_Held)
 
@@ -665,6 +659,9 @@ class RemoteSetBackend(ShardedBackend):
         if self.indexed:
             try:
                 check_part(self.url, self.remote_parts[p].url, reader.manifest, p, self.set_id, self.part_format)
+                if self.contents is not None:
+                    check_content(self.url, self.remote_parts[p].url, reader.manifest, p, self.set_id,
+                                  self.contents[p])
             except CorruptArchiveError as exc:
                 return exc.problem or str(exc)
         mine, theirs = reader.manifest, self.manifest
@@ -763,9 +760,14 @@ class RemoteSetBackend(ShardedBackend):
             try:
                 self._check_arrival(p, temp)
                 return
-            except (CorruptArchiveError, CorruptSampleError) as exc:
+            except (CorruptArchiveError, CorruptSampleError, RemoteChangedError) as exc:
                 if self.kept_index is not None and not os.path.isdir(self.kept_index):
                     raise  # the index kept in the cache was wrong, not the download: it was removed
+                changed = _changed_since_opened(self.store, part)
+                if changed is not None:  # it changed while it was downloaded: no damage, another version
+                    raise changed from None
+                if isinstance(exc, RemoteChangedError):
+                    raise
                 problem = str(exc).replace(temp, part.url)
         raise CorruptArchiveError(part.url, f"every download fails its checks ({DOWNLOAD_TRIES} tries); the last: "
                                   f"{problem}", hint="the stored object is damaged: upload it again")
@@ -866,6 +868,28 @@ def _download(store: Store, part: RemotePart, temp: str) -> None:
     store.download_all(items)
 
 
+def _changed_since_opened(store: Store, part: RemotePart) -> Optional[RemoteChangedError]:
+    """RemoteChangedError naming the object of ``part`` that the store now holds in another version (or no
+    longer holds) than the one recorded when the set was opened; None when each is as recorded (asked
+    after a download failed its checks: content replaced during the download is a change, not damage)."""
+    objects = [(part.url, part.info)] if part.files is None else \
+        [(f"{part.url}/{k}", v) for k, v in sorted(part.files.items())]
+    for url, expected in objects:
+        try:
+            now = store.info(url)
+        except RemoteNotFoundError:
+            return RemoteChangedError(url, "removed from the store while it was downloaded",
+                                      hint="open the set again to read it as it is now")
+        except PackedFormatError:
+            return None  # the store cannot tell now: the download's own failure is reported
+        if (now.size, now.etag) != (expected.size, expected.etag):
+            return RemoteChangedError(
+                url, f"changed in the store while it was downloaded (size {expected.size} -> {now.size}, ETag "
+                     f"{expected.etag or '?'} -> {now.etag or '?'}): the copy mixes two versions and is not used",
+                hint="open the set again to read it as it is now")
+    return None
+
+
 def _check_listed_once(url: str, parts: List[RemotePart]) -> None:
     """CorruptArchiveError when the set's index lists a part twice (by name or by URL)."""
     for what in ("name", "url"):
@@ -923,11 +947,18 @@ def _index_by_fetching(url: str, part_format: str, parts: List[RemotePart], cach
 
             def fill(temp: str, part: RemotePart = part) -> None:
                 _download(store, part, temp)
-                checked = Reader(temp, spec(part_format).backend, verify=False)
                 try:
-                    _verify_every_sample(checked)
-                finally:
-                    checked.close()
+                    checked = Reader(temp, spec(part_format).backend, verify=False)
+                    try:
+                        _verify_every_sample(checked)
+                    finally:
+                        checked.close()
+                except PackedFormatError as exc:  # named by its URL, never by the temporary file
+                    changed = _changed_since_opened(store, part)
+                    if changed is not None:
+                        raise changed from None
+                    raise CorruptArchiveError(part.url, f"its download fails its checks: {exc}".replace(temp, part.url),
+                                              hint="the stored object is damaged: upload it again") from None
 
             leases.append(cache.acquire(path, part.info.size, fill, {"url": part.url, "etag": part.info.etag,
                                                                       "set": url}))

@@ -30,7 +30,8 @@ from tqdm import tqdm
 from .. import codecs, storage
 from ..backends import EXTENSIONS, PACKED_FORMATS, open_writer
 from ..backends.files import remove_path
-from ..backends.sharded import ShardedWriter, existing_parts, part_name
+from ..backends.set_samples import samples_name
+from ..backends.sharded import ShardedWriter, existing_set_files, part_name
 from ..errors import (
     ArchiveExistsError,
     ConversionFailedError,
@@ -232,7 +233,7 @@ def convert(
         _check_destination(path, dst, overwrite or part is not None)
     if part is None:  # a task of a set cleans only its own parts' (another node's writers may be alive)
         clean_stale_temp_files(dst)
-    replaced_parts = existing_parts(dst) if overwrite else []
+    replaced_parts = existing_set_files(dst) if overwrite else []  # its parts and sample index
     source = open_python(python, fields, on_error, mode, size, part) if python is not None else open_source(
         src, labels, subdir=subdir, source_format=source_format, label_key=label_key, image_key=image_key,
         allow_pickle=allow_pickle, on_error=on_error, fields=fields,
@@ -256,8 +257,10 @@ def convert(
         raise _write_error(dst, exc) from None
     finally:
         source.close()
-    for stale in set(replaced_parts) - set(parts):
-        remove_path(stale)  # parts of a sharded archive this conversion replaced
+    kept = set(parts) | ({os.path.join(os.path.dirname(os.path.abspath(dst)), samples_name(os.path.basename(dst)))}
+                         if parts else set())  # a new set's parts and its sample index
+    for stale in set(replaced_parts) - kept:
+        remove_path(stale)  # files of a sharded archive this conversion replaced
     h, w = recipe.size or (0, 0)
     return ConvertSummary(
         source=shown,

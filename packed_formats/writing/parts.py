@@ -9,21 +9,25 @@ of the K slots, so the split does not depend on N, each part is
 byte-identical to the one-process conversion's, and ``join`` writes the same
 index (``backends.sharded`` writes and reads it).  The set's id is derived
 from the plan (``set_id``), by every task and by a one-process conversion
-alike, and each part's manifest names its slot as its place in the set.
+alike, and each part's manifest names its slot as its place in the set.  The
+plan names what the source lists and where it is, not its pixels: each seal
+records the content digest of the part it seals (``sharded.part_digest``) and
+the index records it, so a part put in place of another after its seal, even
+one of another conversion by the same plan, is refused when the set is opened.
 
 What the tasks share lives beside the destination, in ``.<name>.pf-parts/``:
 
-* ``plan.json``: what the set is made from (the source's listing, the options,
-  the library version) and into how many tasks it was split, written by the
-  first task to start; every later task must match it (``--part auto`` takes N
-  from it, so a re-run of one array task alone finds its slots);
+* ``plan.json``: what the set is made from (the source's listing and location,
+  the options, the library version) and into how many tasks it was split,
+  written by the first task to start; every later task must match it (``--part
+  auto`` takes N from it, so a re-run of one array task alone finds its slots);
 * ``<part>.lock``: held (``flock``) by the process writing that part, released
   by the system however the process ends, so a second writer of the same part
   is refused at once and a killed writer leaves no stale lock;
 * ``<part>.seal``: written once the part is in place: its slot, its sample
-  count and its files' sizes and modification times.  A part without a seal
-  (its task was killed while writing it) is rewritten by the next run of that
-  task, and ``join`` refuses it.
+  count, its content digest and its files' sizes and modification times.  A
+  part without a seal (its task was killed while writing it) is rewritten by
+  the next run of that task, and ``join`` refuses it.
 
 A part written with the same plan and still as sealed is not written again:
 re-running a finished task changes nothing.  ``join`` (``packed-formats join
@@ -40,6 +44,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import socket
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
@@ -47,7 +52,8 @@ import numpy as np
 
 from .. import __version__
 from ..backends.files import remove_path, temp_path_for
-from ..backends.sharded import index_text, part_name
+from ..backends.set_samples import sample_index, samples_name
+from ..backends.sharded import file_digest, index_text, part_name
 from ..errors import ArchiveExistsError, ArchiveInUseError, CorruptArchiveError, IncompleteArchiveError
 from ..manifest import part_of_set
 from ..sources import Source
@@ -142,6 +148,21 @@ class SourceRange(Source):
     def stored_size(self, i: int) -> Optional[int]:
         return self.source.stored_size(self.start + i)
 
+    def runs(self) -> Optional[np.ndarray]:
+        runs = self.source.runs()
+        if runs is None:
+            return None
+        inside = runs[(runs > self.start) & (runs < self.start + len(self))] - self.start
+        return np.concatenate([[0], inside]).astype(np.int64)
+
+
+def source_location(source: Source) -> str:
+    """Where the source is (its real path, when it is one on this machine; else its name, as a Python
+    source's): tasks that read other folders listing the same names are tasks of other conversions, and
+    the plan tells them apart by it."""
+    path = str(source.path)
+    return os.path.realpath(path) if os.path.exists(path) else path
+
 
 def listing_digest(source: Source) -> str:
     """A digest of what the source lists (classes, keys, labels): parts from another source differ in it."""
@@ -215,7 +236,7 @@ def read_plan(dst: str) -> Optional[dict]:
 
 def _check_same(path: str, dst: str, existing: dict, plan: dict) -> None:
     ignored = ("tasks",)
-    for field in sorted(set(existing) | set(plan)):
+    for field in sorted(set(existing) | set(plan), key=lambda f: (f == "location", f)):  # where, when all else agrees
         if field not in ignored and existing.get(field) != plan.get(field):
             raise CorruptArchiveError(
                 dst,
@@ -226,8 +247,8 @@ def _check_same(path: str, dst: str, existing: dict, plan: dict) -> None:
             )
 
 
-_WHAT = {"source": "source listing", "version": "library version", "shard_size": "shard size",
-         "resize_mode": "resize mode", "samples": "number of samples"}
+_WHAT = {"source": "source listing", "location": "source location", "version": "library version",
+         "shard_size": "shard size", "resize_mode": "resize mode", "samples": "number of samples"}
 
 
 def make_plan(source: Source, format: str, recipe: Any, on_error: str, shard_size: int,
@@ -235,6 +256,7 @@ def make_plan(source: Source, format: str, recipe: Any, on_error: str, shard_siz
     """What a set is made from, and how it is split."""
     return {
         "packed_formats_parts": PLAN_VERSION, "version": __version__, "source": listing_digest(source),
+        "location": source_location(source),
         "samples": len(source), "format": format, "mode": recipe.mode,
         "size": None if recipe.size is None else list(recipe.size), "resize_mode": recipe.resize_mode,
         "encoding": recipe.encoding, "quality": recipe.quality, "on_error": on_error, "shard_size": shard_size,
@@ -300,7 +322,8 @@ def _is_sealed(dst: str, slot: int, plan: dict) -> bool:
     name = part_name(dst, slot)
     seal = _read_json(seal_path(dst, name))
     part = os.path.join(os.path.dirname(os.path.abspath(dst)), name)
-    if seal is None or seal.get("plan") != _plan_id(plan) or seal.get("slot") != slot or not os.path.lexists(part):
+    if seal is None or seal.get("plan") != _plan_id(plan) or seal.get("slot") != slot or not os.path.lexists(part) \
+            or not isinstance(seal.get("content"), str):
         return False
     return seal.get("files") == _files_state(part)
 
@@ -341,7 +364,7 @@ def write_slots(source: Source, dst: str, plan: dict, task: int, tasks: int, wri
             with part_of_set(set_id(plan), slot):  # the part's manifest names the set and its place in it
                 count, bad = write(SourceRange(source, start, min(samples, start + shard)), path)
             seal = {"slot": slot, "name": name, "plan": _plan_id(plan), "count": count, "task": f"{task}/{tasks}",
-                    "files": _files_state(path)}
+                    "content": file_digest(path, plan["format"]), "files": _files_state(path)}
             _write_json(seal_path(dst, name), seal)
         written, failed = written + count, failed + bad
         done.append(path)
@@ -351,10 +374,11 @@ def write_slots(source: Source, dst: str, plan: dict, task: int, tasks: int, wri
 # ---- joining ----------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class JoinState:
-    """What ``join`` found: the plan, each slot's (name, count), and the slots not ready (with why)."""
+    """What ``join`` found: the plan, each slot's (name, count, content digest), and the slots not ready
+    (with why)."""
 
     plan: dict
-    parts: List[Tuple[str, int]]
+    parts: List[Tuple[str, int, str]]
     missing: Dict[int, str]
 
 
@@ -407,17 +431,18 @@ def inspect(dst: str) -> JoinState:
             )
         elif sealed.get("files") != _files_state(path):
             raise CorruptArchiveError(dst, f"part {name} changed after it was sealed", hint=again)
+        elif not re.fullmatch(r"[0-9a-f]{16}", str(sealed.get("content"))):
+            raise CorruptArchiveError(dst, f"part {name}'s seal does not record what the part holds", hint=again)
         else:
-            parts.append((name, int(sealed["count"])))
+            parts.append((name, int(sealed["count"]), sealed["content"]))
     return JoinState(plan, parts, missing)
 
 
 def join(dst: str, require_all: bool = True) -> Optional[str]:
     """Publish the index of the set at ``dst`` once every part is sealed; return its path (None when parts
     are missing and not ``require_all``).  Refusals (IncompleteArchiveError, CorruptArchiveError,
-    ArchiveExistsError) leave nothing at ``dst``."""
-    from ..archives import open_archive
-
+    ArchiveExistsError) leave nothing at ``dst``.  The set's sample index (``backends.set_samples``) is
+    written beside the parts first, and the index records it."""
     state = inspect(dst)
     if state.missing:
         if not require_all:
@@ -425,15 +450,27 @@ def join(dst: str, require_all: bool = True) -> Optional[str]:
         first = min(state.missing)
         more = f" (and {len(state.missing) - 1} more)" if len(state.missing) > 1 else ""
         raise IncompleteArchiveError(dst, f"{state.missing[first]}{more}", hint="then join again")
-    text = index_text(state.plan["format"], state.parts, set_id(state.plan))
     temp = temp_path_for(dst)  # a killed join's is cleaned like a killed conversion's
-    with open(temp, "w") as file:
-        file.write(text)
-        file.flush()
-        os.fsync(file.fileno())
+    _write_synced(temp, index_text(state.plan["format"], state.parts, set_id(state.plan)).encode())
     try:
-        with open_archive(temp, verify=False):
-            pass  # the parts open as one set: counts, modes, shapes and classes agree
+        try:  # the parts open as one set (counts, modes, shapes, classes and contents agree), and are indexed
+            data, text = sample_index(temp, samples_name(os.path.basename(dst)))
+        except CorruptArchiveError as exc:  # named as the set, not as the index's temporary name
+            raise CorruptArchiveError(dst, exc.problem or str(exc), hint=exc.hint) from None
+        _write_synced(temp, text.encode())
+        if os.path.lexists(dst):
+            with open(dst, "rb") as existing:
+                if existing.read() != text.encode():
+                    raise ArchiveExistsError(dst, "already exists and is not this set's index",
+                                             hint="remove it, then join again") from None
+        samples = os.path.join(os.path.dirname(os.path.abspath(dst)), samples_name(os.path.basename(dst)))
+        if _read_or_none(samples) != data:  # the same left as it is: joining again changes nothing
+            samples_temp = temp_path_for(samples)
+            try:  # the sample index before the index: a reader that finds the index finds what it records
+                _write_synced(samples_temp, data)
+                os.replace(samples_temp, samples)
+            finally:
+                remove_path(samples_temp)
         try:
             os.link(temp, dst)
         except FileExistsError:
@@ -444,3 +481,20 @@ def join(dst: str, require_all: bool = True) -> Optional[str]:
     finally:
         remove_path(temp)
     return dst
+
+
+def _read_or_none(path: str) -> Optional[bytes]:
+    """The bytes of the file at ``path``; None when there is none to read."""
+    try:
+        with open(path, "rb") as file:
+            return file.read()
+    except OSError:
+        return None
+
+
+def _write_synced(path: str, data: bytes) -> None:
+    """Write ``data`` to the file ``path`` and flush it to disk."""
+    with open(path, "wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
