@@ -263,3 +263,20 @@ def test_a_plain_image_folder_keeps_its_files_as_a_folder_conversion_does(tmp_pa
     convert(ImageFolder(root, transform=transforms.Resize((8, 8))), str(tmp_path / "t.zip"), workers=0, quiet=True)
     with pf.open_archive(str(tmp_path / "t.zip")) as reader:
         assert Image.open(io.BytesIO(reader.read(0))).size == (8, 8)
+
+
+def test_the_pickle_check_makes_no_copy_of_the_dataset():
+    import tracemalloc
+
+    from packed_formats.sources.python import PythonSource
+    from packed_formats.writing.python_tasks import check_pickles
+
+    dataset = [(np.full((512, 512, 3), i, np.uint8), 0) for i in range(64)]  # 48 MiB of pixels in memory
+    source = PythonSource(dataset, classes=["grey"])
+    tracemalloc.start()
+    try:
+        check_pickles(source)  # that it would pickle is checked, and the pickle is never held
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20

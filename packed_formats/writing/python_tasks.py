@@ -115,8 +115,8 @@ def prepare_python_sample(context: Tuple[Source, Any], i: int) -> Tuple[Optional
 def check_pickles(source: PythonSource) -> None:
     """InvalidSourceError naming what in the dataset cannot be pickled, and the ways out, when it cannot."""
     what = source.factory if source.factory is not None else (source.data, source.inputs)
-    try:
-        pickle.dumps(what, protocol=pickle.HIGHEST_PROTOCOL)
+    try:  # into nothing: an in-memory dataset's pickle would be a second copy of it, made only to be dropped
+        pickle.Pickler(_Discard(), protocol=pickle.HIGHEST_PROTOCOL).dump(what)
         return
     except Exception as exc:  # PicklingError, TypeError, AttributeError...: anything pickle raises
         problem = f"{type(exc).__name__}: {exc}"
@@ -128,6 +128,13 @@ def check_pickles(source: PythonSource) -> None:
              "with a factory: PythonSource.from_factory(make_dataset) or --python MODULE:FUNCTION on the command "
              "line (or open what it holds lazily, in __getitem__, as a DataLoader with spawn needs)",
     )
+
+
+class _Discard:
+    """A file that keeps nothing written to it (a pickle's bytes and buffers)."""
+
+    def write(self, data: Any) -> None:
+        pass
 
 
 def _unpicklable_attributes(obj: Any) -> list:
