@@ -16,9 +16,11 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -337,12 +339,19 @@ def test_every_block_asks_for_two_workers():
 
 
 # ---- the runner ----------------------------------------------------------------------------------------
-def environment(folder: Path, extra: Optional[dict] = None) -> dict:
+def short_scratch() -> str:
+    """A node-local scratch folder of its own for a block (``$TMPDIR``), removed after it.  Its path is short:
+    Python's multiprocessing makes the AF_UNIX sockets through which DataLoader workers pass shared memory
+    under $TMPDIR, a socket's path may hold at most 107 bytes, and a worker whose socket cannot be made drops
+    its batch without a word (the loader then waits forever).  A pytest folder is too deep for that."""
+    return tempfile.mkdtemp(prefix="pf-", dir="/tmp" if os.access("/tmp", os.W_OK) else None)
+
+
+def environment(folder: Path, scratch: str, extra: Optional[dict] = None) -> dict:
     """A user's shell in ``folder``: this interpreter's ``python`` and ``packed-formats`` first on PATH, node-local
-    scratch (``$TMPDIR``) inside the folder."""
-    (folder / "tmp").mkdir(exist_ok=True)
+    scratch (``$TMPDIR``) in ``scratch``."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env.update(PATH=f"{os.path.dirname(sys.executable)}{os.pathsep}{env.get('PATH', '')}", TMPDIR=str(folder / "tmp"))
+    env.update(PATH=f"{os.path.dirname(sys.executable)}{os.pathsep}{env.get('PATH', '')}", TMPDIR=scratch)
     env.update(extra or {})
     return env
 
@@ -350,7 +359,8 @@ def environment(folder: Path, extra: Optional[dict] = None) -> dict:
 def run(block: Block, folder: Path, given: str = "", env: Optional[dict] = None,
         skip_lines: Tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """Run ``block`` as written in ``folder``; fails the test, showing its output, when it fails."""
-    env = environment(folder, env)
+    scratch = short_scratch()
+    env = environment(folder, scratch, env)
     if block.language == "python":
         script = folder / f"block-{Path(block.file).stem}-{block.line}.py"
         script.write_text(given + block.code)
@@ -358,8 +368,11 @@ def run(block: Block, folder: Path, given: str = "", env: Optional[dict] = None,
     else:
         code = "\n".join(line for line in block.code.splitlines() if not line.startswith(skip_lines))
         command = ["bash", "-e", "-o", "pipefail", "-c", code]
-    done = subprocess.run(command, cwd=folder, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                          timeout=600)  # a user's terminal, not the test runner's pipe
+    try:
+        done = subprocess.run(command, cwd=folder, env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                              text=True, timeout=600)  # a user's terminal, not the test runner's pipe
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     assert done.returncode == 0, f"{block.name} failed as written:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done
 
