@@ -245,7 +245,9 @@ def test_conversion_as_an_array_of_four_with_one_task_cancelled_and_submitted_ag
     names = sorted(os.listdir(one.parent))
     assert sorted(f for f in os.listdir(dst.parent) if not f.startswith(".")) == names
     for name in names:  # the same samples in each part (the set's id, drawn for each set, differs)
-        assert contents(one.parent / name) == contents(dst.parent / name), name
+        if not name.endswith("-samples.npz"):  # the sample index beside them: no archive, checked by opening
+            assert contents(one.parent / name) == contents(dst.parent / name), name
+    assert pf.verify_archive(str(dst)).ok  # the sample index the tasks' join wrote agrees with the parts
 
     before = {name: os.stat(dst.parent / name).st_mtime_ns for name in names}
     rerun = sbatch(slurm, *limits, "--array=1", script, image_folder, str(dst), *options)  # a finished task
