@@ -296,6 +296,10 @@ def test_val_boxes_are_torchvisions_resize_and_center_crop_window_to_the_nearest
         assert abs(got - exact) <= 0.5, (box.tolist(), edges)
 
 
+def _torch_before(major: int, minor: int) -> bool:
+    return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) < (major, minor)
+
+
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.float32])
 def test_val_resize_and_center_crop_on_a_batch_are_torchvisions(dtype):
     """Without decoding, Resize(256) + CenterCrop(224) give torchvision's pixels exactly."""
@@ -306,8 +310,11 @@ def test_val_resize_and_center_crop_on_a_batch_are_torchvisions(dtype):
         image = ramp(height, width).to(dtype) * (97 if dtype == torch.float32 else 1)  # float: a steep ramp
         expected = theirs(image)
         got = ours(image[None])[0]
-        if dtype == torch.uint8 and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-            assert (got.int() - expected.int()).abs().max() <= 1  # torchvision resizes in float there
+        if dtype == torch.uint8 and (torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512")
+                                     or _torch_before(2, 14)):
+            # torchvision resizes in float there; torch 2.8's AVX512 uint8 kernel, on the floor tier, rounds a
+            # few pixels one level apart (seen at 231x347 on an AVX512-BF16 machine)
+            assert (got.int() - expected.int()).abs().max() <= 1
         else:
             assert torch.equal(got, expected), (height, width)
 
