@@ -15,6 +15,7 @@ import textwrap
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from .errors import PackedFormatError
+from .loading import temp_dir
 from .space import human_bytes as _size
 from .writing.parallel import available_cores
 
@@ -294,7 +295,7 @@ def diagnose(
     """A JSON-able report on loading speed and safety for ``path`` (default: the current directory).
 
     Keys: path, filesystem, archive (None unless path is an archive), cpu, jpeg, shm,
-    memory, torch, advice (a list of {"topic", "level", "message"}; level is ok, info
+    memory, torch, tempdir, advice (a list of {"topic", "level", "message"}; level is ok, info
     or warning).
 
     Args:
@@ -322,6 +323,7 @@ def diagnose(
         "shm": shm_info(batch_size * _sample_bytes(archive), cpu["suggested_num_workers"]),
         "memory": memory_info(),
         "torch": torch_info(),
+        "tempdir": temp_dir.describe(),
     }
     report["memory"]["archive_bytes"] = None if archive is None else archive["bytes"]
     report["advice"] = advise(report)
@@ -393,7 +395,7 @@ def advise(report: Dict[str, Any]) -> List[Dict[str, str]]:
     checks = (
         ("filesystem", _filesystem_advice), ("locking", _locking_advice), ("archive", _archive_advice),
         ("cpu", _cpu_advice), ("jpeg", _jpeg_advice), ("shm", _shm_advice), ("memory", _memory_advice),
-        ("torch", _torch_advice),
+        ("torch", _torch_advice), ("tempdir", _temp_dir_advice),
     )
     return [
         {"topic": topic, "level": level, "message": message}
@@ -512,6 +514,17 @@ def _shm_advice(report: Dict[str, Any]) -> Advice:
         )
     else:
         yield "ok", f"{what}; {_size(shm['free_bytes'])} is free."
+
+
+def _temp_dir_advice(report: Dict[str, Any]) -> Advice:
+    found = report["tempdir"]
+    if found["applies"] and found["socket_path_bytes"] > found["limit"]:
+        yield "warning", (
+            f"the temporary folder {found['path']} is too deep: DataLoader workers pass shared memory through a "
+            f"socket under it, whose path would be {found['socket_path_bytes']} bytes (at most {found['limit']}), "
+            "so a plain DataLoader hangs and make_loader refuses to start. Set TMPDIR to a shorter folder "
+            "(export TMPDIR=/tmp)."
+        )
 
 
 def _memory_advice(report: Dict[str, Any]) -> Advice:

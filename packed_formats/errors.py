@@ -272,6 +272,11 @@ class DataLoaderWorkerError(PackedFormatError):
     """A DataLoader worker process died (killed by a signal, often the out-of-memory killer)."""
 
 
+class TempDirTooDeepError(PackedFormatError):
+    """The temporary folder (``$TMPDIR``) is too deep for the socket through which DataLoader workers pass
+    shared memory (``packed_formats.loading.temp_dir``): workers would hang instead of sending batches."""
+
+
 class ConversionFailedError(PackedFormatError):
     """A conversion stopped for a reason outside any one sample (e.g. a worker process was killed)."""
 

@@ -21,7 +21,7 @@ from packed_formats.doctor import (
     suggested_num_workers,
 )
 
-REPORT_KEYS = {"path", "filesystem", "archive", "cpu", "jpeg", "shm", "memory", "torch", "advice"}
+REPORT_KEYS = {"path", "filesystem", "archive", "cpu", "jpeg", "shm", "memory", "torch", "tempdir", "advice"}
 
 
 def write_mounts(tmp_path, *entries) -> str:

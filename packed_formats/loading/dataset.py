@@ -27,7 +27,7 @@ from ..errors import ArchiveNotFoundError, PackedFormatError, SampleIndexError, 
 from ..handles import ProcessLocal
 from ..index import SampleIndex, decode_key
 from ..tracebacks import drops_frames
-from . import sample_fields
+from . import sample_fields, temp_dir
 from .mixture import Mixture
 
 OUTPUTS = ("tensor", "pil", "numpy")
@@ -539,8 +539,10 @@ class SampleList(_IndexRows):
 def _fields_noted_in_workers() -> Iterator[None]:
     """In a DataLoader worker, an archive error leaves with its fields noted in its traceback text
     (``errors.note_fields``), so that the one torch raises in the main process still names the
-    path, sample index and key."""
+    path, sample index and key.  Also where a worker could not send what it reads (``temp_dir``)."""
     try:
+        if torch.utils.data.get_worker_info() is not None:
+            temp_dir.check(tensors_only=True)
         yield
     except PackedFormatError as error:
         if torch.utils.data.get_worker_info() is not None:

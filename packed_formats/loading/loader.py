@@ -41,7 +41,7 @@ from ..policy import (
 from ..tracebacks import release_frames
 from ..transforms import apply_transform, batchwise, with_memory_format
 from ..transforms.at_decode import split_at_decode
-from . import slots
+from . import slots, temp_dir
 from .dataset import PackedDataset
 from .device import CudaPrefetcher, copy_then_transform, resolve_device
 from .device_decode import DeviceDecoder, check_decoder
@@ -603,6 +603,8 @@ def make_loader(
         raise ValueError(f"memory_format must be torch.contiguous_format or torch.channels_last, got {memory_format}")
     if num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+    if num_workers > 0:
+        temp_dir.check()  # the workers pass their batch slots' descriptors through a socket under $TMPDIR
     if not isinstance(registered_slots, bool):
         raise ValueError(f"registered_slots must be True or False, got {registered_slots!r}")
     if memory_format == torch.channels_last and fields is None:  # the final normalisation writes it: no second
