@@ -24,7 +24,9 @@ class SampleIndex:
     labels int64[N]; keys 'S'[N] (UTF-8 relative paths); crc32 uint32[N] or None;
     offsets int64[N+1] or None: sample i has ``offsets[i+1] - offsets[i]`` bytes,
     at ``offsets[i]`` in a flat byte store, or at ``positions[i]`` in the file
-    when ``positions`` (int64[N]) is given.
+    when ``positions`` (int64[N]) is given.  widths, heights int32[N] or None: each encoded
+    image's stored size in pixels, read from its header when it was written (0 and 0: its header
+    did not read); a raw archive's images are all its manifest's shape, and an older archive has none.
     """
 
     labels: np.ndarray
@@ -32,12 +34,15 @@ class SampleIndex:
     crc32: Optional[np.ndarray] = None
     offsets: Optional[np.ndarray] = None
     positions: Optional[np.ndarray] = None
+    widths: Optional[np.ndarray] = None
+    heights: Optional[np.ndarray] = None
     # each field's arrays, by name: "field.NAME.offsets" int64[N+1] (into its flat store, or sizes when
     # "field.NAME.positions" int64[N] says where each value starts in the file), "field.NAME.crc32" uint32[N]
     fields: Dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for array in [self.labels, self.keys, self.crc32, self.offsets, self.positions, *self.fields.values()]:
+        for array in [self.labels, self.keys, self.crc32, self.offsets, self.positions, self.widths, self.heights,
+                      *self.fields.values()]:
             if isinstance(array, np.ndarray):  # a JoinedArray is read-only already
                 array.setflags(write=False)
 
@@ -61,6 +66,8 @@ class SampleIndex:
             crc32=_optional(arrays, "crc32", np.uint32),
             offsets=_optional(arrays, "offsets", np.int64),
             positions=_optional(arrays, "positions", np.int64),
+            widths=_as_stored(arrays, "widths"),  # their dtype as stored: the reader checks it (``image_sizes``)
+            heights=_as_stored(arrays, "heights"),
             fields={name: np.asarray(arrays[name], dtype=np.uint32 if name.endswith(".crc32") else np.int64)
                     for name in fields if name in arrays},
         )
@@ -78,6 +85,13 @@ class SampleIndex:
         positions = self.fields.get(field_array(name, "positions"))
         return (start if positions is None else int(positions[i])), size
 
+    def image_sizes(self) -> Optional[np.ndarray]:
+        """int64 [N,2]: each sample's recorded (width, height) (0, 0: unknown), or None when the index
+        records none (a raw archive, or one written before they were recorded)."""
+        if self.widths is None or self.heights is None:
+            return None
+        return np.stack([np.asarray(self.widths, dtype=np.int64), np.asarray(self.heights, dtype=np.int64)], axis=1)
+
     def mapped(self) -> bool:
         """Whether every array is a map of the archive's file (see ``file_backed``)."""
         return all(file_backed(array) for array in self.arrays().values())
@@ -88,7 +102,8 @@ class SampleIndex:
         return int(self.offsets[i + 1] - self.offsets[i])
 
 
-SAMPLE_ARRAYS = ("labels", "keys", "crc32", "offsets", "positions")
+SAMPLE_ARRAYS = ("labels", "keys", "crc32", "offsets", "positions", "widths", "heights")
+IMAGE_SIZE_ARRAYS = ("widths", "heights")  # int32[N] each, an encoded archive's only
 
 
 def field_array(field: str, what: str) -> str:
@@ -243,6 +258,10 @@ def _optional(arrays: Dict[str, np.ndarray], name: str, dtype) -> Optional[np.nd
     return None if name not in arrays else np.asarray(arrays[name], dtype=dtype)
 
 
+def _as_stored(arrays: Dict[str, np.ndarray], name: str) -> Optional[np.ndarray]:
+    return None if name not in arrays else np.asarray(arrays[name])
+
+
 def file_backed(array: np.ndarray) -> bool:
     """Whether an array's memory is a map of a file (``np.memmap``, a view of an ``mmap``, or of
     a map that says ``maps_a_file``, as ``backends.index_map`` makes):
@@ -376,24 +395,33 @@ class IndexBuilder:
     """Grows the index while a writer appends samples, in blocks (``Column``): never a copy to grow,
     and never a Python object per sample (keys wait as bytes only until their block of rows is full).
 
-    ``offsets`` and ``positions`` say whether the index will store them (sizes are kept only for
-    the offsets).  ``build`` makes each array of the index once and releases the blocks as it goes:
-    at its peak the builder holds about one index's bytes, plus a block.  Each array lies after its
-    own .npy header (``npy_array``), so a writer that stores .npy bytes copies none of them.
+    ``offsets``, ``positions`` and ``image_sizes`` (widths and heights) say whether the index will store
+    them (sizes are kept only for the offsets).  ``build`` makes each array of the index once and releases
+    the blocks as it goes: at its peak the builder holds about one index's bytes, plus a block.  Each
+    array lies after its own .npy header (``npy_array``), so a writer that stores .npy bytes copies none
+    of them.
     """
 
-    def __init__(self, offsets: bool = False, positions: bool = False) -> None:
+    def __init__(self, offsets: bool = False, positions: bool = False, image_sizes: bool = False) -> None:
         self.count = 0
         self._labels, self._crc32 = Column(np.int64), Column(np.uint32)
         self._sizes = Column(np.int64) if offsets else None
         self._positions = Column(np.int64) if positions else None
-        self._numeric = [c for c in (self._labels, self._crc32, self._sizes, self._positions) if c is not None]
+        self._widths = Column(np.int32) if image_sizes else None
+        self._heights = Column(np.int32) if image_sizes else None
+        self._numeric = [c for c in (self._labels, self._crc32, self._sizes, self._positions, self._widths,
+                                     self._heights) if c is not None]
+        places = {id(c): k for k, c in enumerate(self._numeric)}  # each column's place in ``_current``
+        self._position_at = places.get(id(self._positions), -1)
+        self._width_at = places.get(id(self._widths), -1)
         self._current: List[np.ndarray] = []  # the block being filled, per numeric column
         self._slot = BLOCK_ROWS  # rows filled in the current blocks (none yet: the first append makes them)
         self._key_blocks: List[np.ndarray] = []  # full blocks of keys, each fixed-width ('S') as wide as its longest
         self._pending_keys: List[bytes] = []  # the keys of the current block of rows
 
-    def append(self, label: int, key: str, crc: int, size: int, position: int = -1) -> None:
+    def append(self, label: int, key: str, crc: int, size: int, position: int = -1,
+               image_size: Tuple[int, int] = (0, 0)) -> None:
+        """One more sample; ``image_size``: its image's (width, height), (0, 0) when unknown."""
         slot = self._slot
         if slot == BLOCK_ROWS:
             self._next_blocks()
@@ -403,8 +431,10 @@ class IndexBuilder:
         current[1][slot] = crc
         if self._sizes is not None:
             current[2][slot] = size
-        if self._positions is not None:
-            current[-1][slot] = position
+        if self._position_at >= 0:
+            current[self._position_at][slot] = position
+        if self._width_at >= 0:  # the heights' column follows
+            current[self._width_at][slot], current[self._width_at + 1][slot] = image_size
         self._pending_keys.append(key.encode("utf-8", "surrogateescape"))
         self._slot = slot + 1
         self.count += 1
@@ -431,11 +461,14 @@ class IndexBuilder:
         labels, crc = self._labels.take(n), self._crc32.take(n)
         offsets = None if self._sizes is None else offsets_of(self._sizes, n)
         positions = None if self._positions is None else self._positions.take(n)
+        widths = None if self._widths is None else self._widths.take(n)
+        heights = None if self._heights is None else self._heights.take(n)
         width = max([1] + [block.dtype.itemsize for block in self._key_blocks])
         keys = npy_array(f"S{width}", n)
         for at, part in _drain(self._key_blocks, n):
             keys[at : at + len(part)] = part
-        return SampleIndex(labels=labels, keys=keys, crc32=crc, offsets=offsets, positions=positions)
+        return SampleIndex(labels=labels, keys=keys, crc32=crc, offsets=offsets, positions=positions,
+                           widths=widths, heights=heights)
 
 
 def offsets_of(sizes: Column, n: int) -> np.ndarray:

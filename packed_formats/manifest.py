@@ -13,6 +13,7 @@ from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
 from .checksum import crc32
 from .errors import CorruptArchiveError, IncompleteArchiveError, UnsupportedVersionError
 from .fields import FieldSpec, FieldValueError, check_fields
+from .index import IMAGE_SIZE_ARRAYS
 
 MODES = ("raw", "encoded")
 CHECKSUM = "crc32"
@@ -28,10 +29,24 @@ CHECKSUM = "crc32"
 # 3 says "upgrade" of a set's part instead of "damaged".
 # Version 5: samples carry named fields besides the image and class (``fields``: see fields.py),
 # each with its own index arrays; only an archive with fields is stamped 5.
-FORMAT_VERSION = 5
+# Version 6: raw pixels may be stored planar, channel by channel (``raw_layout``: "chw"), which the
+# field names from this version on (it is required there); before it every raw archive is "hwc".  Only
+# a planar archive is stamped 6, so that a reader that cannot part its channels refuses it.
+# Version 7: an archive may declare that its samples have no label (``labelled``: false; every label
+# -1, no classes); only such an archive is stamped 7.
+# Version 8: an encoded archive's index records each image's size (the arrays ``widths`` and
+# ``heights``, read from its header when written); only an archive whose index holds them is
+# stamped 8, so that a reader that knows only 7 says "upgrade" of it instead of "damaged".
+# An archive is stamped with the newest of the versions its content needs.
+FORMAT_VERSION = 8
 PLAIN_VERSION = 3  # an archive that is no part of a set
 SET_VERSION = 4  # a part of a set
 FIELDS_VERSION = 5  # an archive whose samples have fields
+LAYOUT_VERSION = 6  # a raw archive whose pixels are stored planar
+RAW_LAYOUTS = ("hwc", "chw")  # how a raw sample's bytes are laid out: interleaved (H x W x C), or planar
+LABELS_VERSION = 7  # an archive whose samples have no label
+SIZES_VERSION = 8  # an archive whose index records its images' sizes
+NO_LABEL = -1  # every label of an archive that declares none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +78,10 @@ class ArchiveManifest:
             joined manifest carries its set's id).
         part: this archive's place in that set, counted from 0 (-1 when it is no part of a set).
         fields: what each sample holds besides its image and class (``fields.FieldSpec``), in order.
+        raw_layout: how a raw sample's bytes are stored: "hwc" (interleaved, H x W x C) or "chw"
+            (planar, C x H x W).  ``shape`` is (H, W, C) either way: the image's, not the bytes'.
+        labelled: False when the samples have no label (detection, segmentation, unlabelled images): no
+            classes, and every label ``NO_LABEL`` (-1), as a reader checks on open.
     """
 
     format: str
@@ -81,9 +100,19 @@ class ArchiveManifest:
     set_id: str = ""
     part: int = -1
     fields: Tuple[FieldSpec, ...] = ()
+    raw_layout: str = "hwc"
+    labelled: bool = True
 
     def to_json(self) -> str:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # no deep copy, unlike asdict
+        if self.format_version < LAYOUT_VERSION:  # left out: before version 6 every raw archive is "hwc"
+            if self.raw_layout != "hwc":
+                raise ValueError(f"a {self.raw_layout} raw layout needs format version {LAYOUT_VERSION} or later")
+            del data["raw_layout"]
+        if self.labelled:  # left out: an archive with labels stays as it was
+            del data["labelled"]
+        elif self.format_version < LABELS_VERSION:
+            raise ValueError(f"an archive without labels needs format version {LABELS_VERSION} or later")
         for name in _SET_FIELDS:  # left out when unset: an archive that is no part of a set stays as it was
             if data[name] == _UNSET[name]:
                 del data[name]
@@ -134,6 +163,8 @@ class ArchiveManifest:
             raise ValueError("the manifest's set_id is not a string or its part not an integer")
         data["index_crc32"] = tuple(sorted((str(k), int(v)) for k, v in dict(data.get("index_crc32", {})).items()))
         data["fields"] = _parse_fields(data.get("fields", []))
+        _check_raw_layout(data, path)
+        _check_labelled(data, path)
         return cls(**data)
 
     def field(self, name: str) -> FieldSpec:
@@ -143,6 +174,15 @@ class ArchiveManifest:
                 return spec
         there = ", ".join(s.name for s in self.fields) or "none"
         raise KeyError(f"the archive has no field {name!r} (its fields: {there})")
+
+    @property
+    def stored_shape(self) -> Optional[Tuple[int, int, int]]:
+        """The shape a raw sample's bytes are stored in: (H, W, C), or (C, H, W) when planar; None for
+        encoded archives."""
+        if self.shape is None:
+            return None
+        h, w, c = self.shape
+        return (c, h, w) if self.raw_layout == "chw" else (h, w, c)
 
     @property
     def sample_nbytes(self) -> Optional[int]:
@@ -180,17 +220,28 @@ def new_manifest(
     encoding: Optional[str],
     index_crc32: Sequence[Tuple[str, int]] = (),
     fields: Sequence[FieldSpec] = (),
+    raw_layout: str = "hwc",
+    labelled: bool = True,
 ) -> ArchiveManifest:
     """A sealed manifest stamped with this library's version.
 
     No wall-clock time is stored, so converting the same input twice gives
     byte-identical archives; ``created_at`` is set only from $SOURCE_DATE_EPOCH
     (the reproducible-builds convention) when a fixed date is wanted.  Within
-    ``part_of_set``, the manifest names its set and its place in it.
+    ``part_of_set``, the manifest names its set and its place in it.  A planar raw archive
+    (``raw_layout="chw"``) needs version 6, which names its layout; an archive without labels
+    (``labelled=False``) version 7; one whose index records its images' sizes version 8: it is
+    stamped with the newest its content needs.
     """
     from . import __version__
 
+    if raw_layout not in RAW_LAYOUTS or (raw_layout != "hwc" and mode != "raw"):
+        raise ValueError(f"raw_layout must be one of {RAW_LAYOUTS} (and 'hwc' unless mode='raw'), got {raw_layout!r}")
     place = _PLACE.get()
+    needs = [FIELDS_VERSION if fields else PLAIN_VERSION if place is None else SET_VERSION]
+    needs += [LAYOUT_VERSION] if raw_layout != "hwc" else []
+    needs += [] if labelled else [LABELS_VERSION]
+    needs += [SIZES_VERSION] if any(name in IMAGE_SIZE_ARRAYS for name, _ in index_crc32) else []
     return ArchiveManifest(
         format=format,
         mode=mode,
@@ -201,11 +252,50 @@ def new_manifest(
         created_with=f"packed_formats {__version__}",
         created_at=_source_date(),
         index_crc32=tuple(sorted(index_crc32)),
-        format_version=FIELDS_VERSION if fields else PLAIN_VERSION if place is None else SET_VERSION,
+        format_version=max(needs),
         set_id="" if place is None else place[0],
         part=-1 if place is None else place[1],
         fields=tuple(fields),
+        raw_layout=raw_layout,
+        labelled=labelled,
     )
+
+
+def _check_raw_layout(data: Dict[str, Any], path: "os.PathLike[str] | str | None") -> None:
+    """CorruptArchiveError unless the manifest's ``raw_layout`` is one this library knows, named where its
+    version requires it (6 on) and only there, and planar only for a raw archive: a field left out must
+    never read a planar archive's pixels as interleaved ones."""
+    version, layout = data.get("format_version", 1), data.get("raw_layout")  # no version: as old as the CRC check
+    hint = "the manifest was damaged or edited: re-create the archive from its source"
+    if version < LAYOUT_VERSION:
+        if "raw_layout" in data:
+            raise CorruptArchiveError(path, f"the manifest of format version {version} names a raw_layout "
+                                            f"({layout!r}), which only version {LAYOUT_VERSION} on records", hint=hint)
+        return
+    if layout is None:
+        raise CorruptArchiveError(path, f"the manifest of format version {version} does not say how raw pixels are "
+                                        f"laid out (its raw_layout is missing)", hint=hint)
+    if layout not in RAW_LAYOUTS:
+        raise CorruptArchiveError(path, f"the manifest's raw_layout {layout!r} is none this packed_formats knows "
+                                        f"({', '.join(RAW_LAYOUTS)})", hint=hint)
+    if layout != "hwc" and data.get("mode") != "raw":
+        raise CorruptArchiveError(path, f"the manifest gives an {data.get('mode')} archive the raw_layout "
+                                        f"{layout!r}, which only raw archives have", hint=hint)
+
+
+def _check_labelled(data: Dict[str, Any], path: "os.PathLike[str] | str | None") -> None:
+    """CorruptArchiveError unless ``labelled`` is left out (the samples have labels) or a boolean of a manifest
+    of version 7 on, and an archive without labels names no class (its labels are checked on open)."""
+    if "labelled" not in data:
+        return
+    hint = "the manifest was damaged or edited: re-create the archive from its source"
+    labelled, version = data["labelled"], data.get("format_version", 1)
+    if type(labelled) is not bool or version < LABELS_VERSION:
+        raise CorruptArchiveError(path, f"the manifest's labelled is {labelled!r} in format version {version} (a "
+                                        f"boolean, from version {LABELS_VERSION} on)", hint=hint)
+    if not labelled and data.get("classes"):
+        raise CorruptArchiveError(path, f"the manifest says the samples have no label but names "
+                                        f"{len(data['classes'])} classes", hint=hint)
 
 
 def _parse_fields(data: Any) -> Tuple[FieldSpec, ...]:

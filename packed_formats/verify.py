@@ -71,9 +71,10 @@ def verify_archive(
     path: "str | os.PathLike[str]", decode: bool = False, max_report: int = 10, progress: bool = False
 ) -> VerifyReport:
     """Read every sample of the archive at ``path``, checking its CRC32 (and, with ``decode``, that it decodes
-    strictly: pixel data that ends early is bad), and each of its fields: against its CRC32, and that its bytes
-    are a value of the field's kind (with ``decode``, an image field decodes strictly too, is its image's size
-    and is the kind of image, one channel or colour, that the field's first is).
+    strictly: pixel data that ends early is bad, and is the size the index records of it, where it records
+    one), and each of its fields: against its CRC32, and that its bytes are a value of the field's kind
+    (with ``decode``, an image field decodes strictly too, is its image's size and is the kind of image,
+    one channel or colour, that the field's first is).
 
     The records the format keeps of each sample besides its bytes, which our
     reads never use but other tools do, are checked too: a ZIP member's local
@@ -133,6 +134,7 @@ def _check_sample(reader, i: int, decode: bool, kinds: Dict[str, str]) -> Option
         elif decode:
             policy.check_decodes(stored)
             size = codecs.image_header(stored)[0]
+            problems.extend(_recorded_size_problem(reader, i, size))
     except CorruptSampleError as exc:
         problems.append(exc.problem)
     except codecs.DecodeError as exc:
@@ -149,6 +151,18 @@ def _check_sample(reader, i: int, decode: bool, kinds: Dict[str, str]) -> Option
         except codecs.DecodeError as exc:
             problems.append(f"field {spec.name!r} does not decode: {exc}")
     return "; ".join(problems) or None
+
+
+def _recorded_size_problem(reader, i: int, size: Tuple[int, int]) -> List[str]:
+    """Why the image size the index records of sample i (when it records one) is not its image's ``size``."""
+    widths, heights = reader.index.widths, reader.index.heights
+    if widths is None or heights is None:
+        return []
+    recorded = (int(widths[i]), int(heights[i]))
+    if recorded == (0, 0) or recorded == tuple(size):  # (0, 0): its header did not read when it was written
+        return []
+    return [f"the index records its size as {recorded[0]}x{recorded[1]}, the image is {size[0]}x{size[1]} "
+            "(width x height): the index is damaged, convert the archive again"]
 
 
 _ONE_CHANNEL = ("1", "L", "P", "I;16", "I;16B", "I;16L", "I")  # modes a mask can be read from (its values)

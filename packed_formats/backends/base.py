@@ -108,9 +108,10 @@ class Backend(abc.ABC, Generic[H]):
                                              f"declares them", hint=DAMAGED_HINT)
 
     def read_batch(self, handle: H, idx: np.ndarray, out: np.ndarray) -> None:
-        """Fill out[j] with raw sample idx[j]; formats override this when they can do better than a loop."""
+        """Fill out[j] with raw sample idx[j] as stored (``out``: [B] + ``stored_shape``, its bytes copied
+        as they are, whatever the layout); formats override this when they can do better than a loop."""
         for j, i in enumerate(idx):
-            out[j] = self.as_pixels(self.read(handle, int(i)), int(i))
+            out[j] = self.as_stored(self.read(handle, int(i)), int(i))
 
     def data_file(self) -> Optional[str]:
         """The file whose identity must not change while the archive is in use (None: no such file)."""
@@ -158,6 +159,11 @@ class Backend(abc.ABC, Generic[H]):
         return self._required(self.manifest.shape, "shape")
 
     @property
+    def stored_shape(self) -> Tuple[int, int, int]:
+        """The shape a raw sample's bytes are stored in: (H, W, C), or (C, H, W) in a planar archive."""
+        return self._required(self.manifest.stored_shape, "shape")
+
+    @property
     def sample_nbytes(self) -> int:
         """Bytes of one raw sample."""
         return self._required(self.manifest.sample_nbytes, "shape")
@@ -172,12 +178,18 @@ class Backend(abc.ABC, Generic[H]):
         """A CorruptSampleError for sample i naming the archive, index and key."""
         return CorruptSampleError(self.path, problem, index=i, key=self.index.key(i), hint=DAMAGED_HINT)
 
-    def as_pixels(self, blob: Blob, i: int) -> np.ndarray:
-        """A raw sample's bytes as its HxWxC array (CorruptSampleError if the size is wrong)."""
+    def as_stored(self, blob: Blob, i: int) -> np.ndarray:
+        """A raw sample's bytes as the array they are stored as, ``stored_shape`` (CorruptSampleError if
+        the size is wrong)."""
         array = blob if isinstance(blob, np.ndarray) else np.frombuffer(blob, dtype=np.uint8)
         if array.size != self.sample_nbytes:
             raise self.corrupt(f"raw sample has {array.size} bytes, expected {self.sample_nbytes}", i)
-        return array.reshape(self.shape)
+        return array.reshape(self.stored_shape)
+
+    def as_pixels(self, blob: Blob, i: int) -> np.ndarray:
+        """A raw sample's bytes as its HxWxC array (a view: strided when the archive is planar)."""
+        stored = self.as_stored(blob, i)
+        return stored.transpose(1, 2, 0) if self.manifest.raw_layout == "chw" else stored
 
 
 @dataclasses.dataclass(frozen=True)

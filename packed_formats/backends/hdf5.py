@@ -48,7 +48,7 @@ from .writer import Writer
 
 MANIFEST_ATTR = "packed_formats_manifest"
 _ENCODED_CHUNK = 1 << 16
-_INDEX_NAMES = ("labels", "keys", "crc32", "offsets", "positions")
+_INDEX_NAMES = ("labels", "keys", "crc32", "offsets", "positions", "widths", "heights")
 CHUNKS_NAME = "chunk_table"  # encoded: the file address of each chunk of "data", which readers read from
 _SAMPLE_NAMES = ("images", "data")
 _AGREE_ROWS = 16  # index entries HDF5 reads at each end of an index array when the seal is recorded
@@ -127,10 +127,10 @@ class HDF5Writer(Writer):
         if self.mode == "raw":
             self._data = self._file.create_dataset(
                 "images",
-                shape=(0,) + self.raw_shape,
-                maxshape=(None,) + self.raw_shape,
+                shape=(0,) + self.stored_shape,
+                maxshape=(None,) + self.stored_shape,
                 dtype=np.uint8,
-                chunks=(1,) + self.raw_shape,
+                chunks=(1,) + self.stored_shape,
             )
         else:
             self._data = self._file.create_dataset(
@@ -163,7 +163,7 @@ class HDF5Writer(Writer):
         if self.mode == "raw":
             start = self._filled
             self._grow(start + len(self._pending))
-            self._data[start : start + len(self._pending)] = np.stack(self._pending).reshape((-1,) + self.raw_shape)
+            self._data[start : start + len(self._pending)] = np.stack(self._pending).reshape((-1,) + self.stored_shape)
             self._filled += len(self._pending)
         else:
             block = np.concatenate(self._pending)
@@ -394,7 +394,7 @@ class HDF5Backend(Backend[HDF5Handle]):
             rows.gather(idx, out)
             return
         for j, i in enumerate(idx):
-            out[j] = self.as_pixels(self.read(handle, int(i)), int(i))
+            out[j] = self.as_stored(self.read(handle, int(i)), int(i))
 
     def sample_location(self, i: int) -> Optional[Tuple[str, int]]:
         if self.manifest.mode == "raw":

@@ -297,7 +297,7 @@ class LMDBBackend(Backend[LMDBHandle]):
             with handle.env.begin(buffers=True) as txn:  # copy out inside the transaction
                 for j, i in enumerate(idx):
                     value = self._checked(handle, txn.get(sample_key(int(i))), int(i), "the sample's record")
-                    out[j] = self.as_pixels(value, int(i))
+                    out[j] = self.as_stored(value, int(i))
         except lmdb.Error as exc:
             raise CorruptArchiveError(self.path, f"LMDB read failed: {exc}") from None
 

@@ -36,7 +36,7 @@ from .writer import Writer
 
 MANIFEST = "manifest.json"
 _HEADER_BYTES = 128  # reserved .npy header, rewritten with the final shape at close
-_INDEX_NAMES = ("labels", "keys", "crc32", "offsets")
+_INDEX_NAMES = ("labels", "keys", "crc32", "offsets", "widths", "heights")
 
 
 def data_file_name(mode: str) -> str:
@@ -144,7 +144,7 @@ class MemmapWriter(Writer):
         return -1
 
     def finish(self, index: SampleIndex, manifest: ArchiveManifest) -> None:
-        shape = (len(index),) + self.raw_shape if self.mode == "raw" else (self._bytes,)
+        shape = (len(index),) + self.stored_shape if self.mode == "raw" else (self._bytes,)
         self._file.seek(0)
         self._file.write(_npy_header(shape))
         self._file.close()
@@ -188,7 +188,11 @@ class MemmapBackend(Backend[MappedNpy]):
             raise ArchivePermissionError.denied(path, exc.filename) from None
         except (OSError, ValueError) as exc:
             raise CorruptArchiveError(path, f"cannot read the archive index: {exc}") from None
-        _map_data(path, manifest.mode).close()  # the data file is checked now, in this process
+        data = _map_data(path, manifest.mode)  # the data file is checked now, in this process
+        try:
+            _check_stored_shape(path, manifest, data)
+        finally:
+            data.close()
         return manifest, SampleIndex.from_arrays(arrays, field_arrays(manifest.fields))
 
     def data_file(self) -> str:
@@ -236,6 +240,19 @@ class MemmapBackend(Backend[MappedNpy]):
         data = np.load(self.data_file(), mmap_mode="r")
         start = i * self.sample_nbytes if self.manifest.mode == "raw" else int(self.offsets[i])
         return self.data_file(), int(data.offset) + start
+
+
+def _check_stored_shape(path: str, manifest: ArchiveManifest, data: MappedNpy) -> None:
+    """CorruptArchiveError when the raw images' .npy array says its samples are of another shape than the
+    manifest's stored shape: a planar archive whose manifest lost its layout (or an interleaved one that
+    claims one) is never read with its channels taken for rows."""
+    shape = None if data.array is None else data.array.shape
+    if manifest.mode != "raw" or shape is None or len(shape) != 4 or tuple(shape[1:]) == manifest.stored_shape:
+        return
+    raise CorruptArchiveError(
+        path, f"{data_file_name('raw')} holds samples of shape {tuple(shape[1:])}, but the manifest's raw_layout "
+              f"{manifest.raw_layout!r} stores {manifest.shape} (HxWxC) images as {manifest.stored_shape}",
+        hint="the manifest was damaged or edited: re-create the archive from its source")
 
 
 def _load_mapped(path: str) -> np.ndarray:

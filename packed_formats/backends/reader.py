@@ -28,7 +28,7 @@ from ..errors import (
 from ..fields import FieldSpec, FieldValueError
 from ..handles import ProcessLocal, SharedHandle
 from ..index import SampleIndex, anonymous_array, field_array
-from ..manifest import ArchiveManifest
+from ..manifest import NO_LABEL, ArchiveManifest
 from ..policy import VerifyPolicy, check_verify
 from ..tracebacks import drops_frames
 from .base import Backend, Blob, Handle
@@ -51,7 +51,11 @@ class Reader:
     its stored bytes; ``read_many(idx)`` returns one [B,H,W,C] array (raw) or a
     list of bytes (encoded).  ``verify`` checks samples against their stored
     CRC32: on every read (True), the first time each process reads a sample
-    ("once"), or never (False).  Nothing is held open by the process that
+    ("once"), or never (False).  A raw archive stores each sample's pixels
+    interleaved (``raw_layout`` "hwc") or planar ("chw"); every read hands
+    them out as above either way, and ``read_many_planar`` reads [B,C,H,W]
+    batches, a plain copy of a planar archive's bytes (``read_many_stored``:
+    the bytes as stored).  Nothing is held open by the process that
     creates a Reader; each process opens its own handle on first read, and a
     Reader pickles as a description (path, metadata), never as a handle.
 
@@ -89,6 +93,8 @@ class Reader:
         self._watched = self._watched_identities()
         self._check_index_consistent()
         self._check_index_checksums()
+        self._check_image_sizes()
+        self._check_labels()
         # no bound method of self kept in it: a cycle would keep the handle open until the collector ran
         self._claim = SharedHandle(
             handle_key(backend.format_name, self.path, self.backend.identity), _close_handle, _discard_handle,
@@ -122,6 +128,8 @@ class Reader:
     def __repr__(self) -> str:
         m = self.manifest
         layout = f"shape={m.shape}" if m.mode == "raw" else f"encoding={m.encoding}"
+        if m.raw_layout != "hwc":
+            layout += f", raw_layout={m.raw_layout}"
         return f"Reader({self.path!r}, format={m.format}, mode={m.mode}, count={m.count}, {layout})"
 
     @property
@@ -293,7 +301,8 @@ class Reader:
 
     @drops_frames  # an error kept by its catcher must not keep this reader's handle open
     def read_bytes(self, i: int) -> bytes:
-        """The stored bytes of sample i (pixels for raw, file bytes for encoded)."""
+        """The stored bytes of sample i (pixels for raw, as laid out: planar in a "chw" archive; file bytes for
+        encoded)."""
         i = self.check_index(i)
         return bytes(self._read_checked(self._unchanged_handle(), i))
 
@@ -327,6 +336,30 @@ class Reader:
             out = np.empty(shape, dtype=np.uint8)
         elif out.shape != shape or out.dtype != np.uint8:
             raise ValueError(f"out must be uint8 {shape}, got {out.dtype} {out.shape}")
+        if self.manifest.raw_layout == "hwc":
+            return self._read_stored(handle, indices, out)
+        stored = self._read_stored(handle, indices, np.empty((len(indices),) + self.backend.stored_shape, np.uint8))
+        for c in range(stored.shape[1]):  # planar -> interleaved, a channel at a time: ~4x faster than one
+            out[..., c] = stored[:, c]  # transposing copy (~95 against ~390 us for 256x256x3 on one core)
+        return out
+
+    @drops_frames
+    def read_many_stored(self, idx: "Sequence[int] | np.ndarray", out: Optional[np.ndarray] = None) -> np.ndarray:
+        """Raw samples idx as the archive stores them: a [B] + stored shape array ([B,H,W,C], or [B,C,H,W]
+        when the archive is planar), each sample's bytes copied as they are and checked (the verify policy).
+        ``out``, when given, is such an array to read into."""
+        indices = self.check_indices(idx)
+        if self.manifest.mode != "raw":
+            raise ValueError(f"{self.path}: only raw archives store pixels")
+        shape = (len(indices),) + self.backend.stored_shape
+        if out is None:
+            out = np.empty(shape, dtype=np.uint8)
+        elif out.shape != shape or out.dtype != np.uint8:
+            raise ValueError(f"out must be uint8 {shape}, got {out.dtype} {out.shape}")
+        return self._read_stored(self._unchanged_handle(), indices, out)
+
+    def _read_stored(self, handle: Handle, indices: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """The checked ``indices`` into ``out`` ([B] + stored shape), as stored, each sample then verified."""
         if len(indices):
             with named_failures(self.path, "cannot read a batch of samples"):
                 self.backend.read_batch(handle, indices, out)
@@ -339,7 +372,8 @@ class Reader:
         """Raw samples idx into ``out``, a uint8 [B,C,H,W] array (a contiguous NCHW batch, say): each
         sample copied once, straight from where the archive keeps it, its channels parted on the way,
         with no [B,H,W,C] batch between.  Each sample's stored bytes are checked (the verify policy)
-        before they are copied, as ``read`` does.
+        before they are copied, as ``read`` does.  A planar archive's batch is one plain read of its
+        bytes (``read_many_stored``): nothing to part.
         """
         indices = self.check_indices(idx)
         if self.manifest.mode != "raw":
@@ -349,6 +383,8 @@ class Reader:
         if out.shape != shape or out.dtype != np.uint8:
             raise ValueError(f"out must be uint8 {shape}, got {out.dtype} {out.shape}")
         handle = self._unchanged_handle()
+        if self.manifest.raw_layout == "chw":
+            return self._read_stored(handle, indices, out)
         for j, i in enumerate(indices.tolist()):
             pixels = self.backend.as_pixels(self._read_checked(handle, i), i)
             np.copyto(out[j], pixels.transpose(2, 0, 1))  # the one copy: HxWxC -> CxHxW
@@ -449,6 +485,51 @@ class Reader:
                 raise CorruptArchiveError(
                     self.path, f"the index array {name!r} is damaged (its checksum does not match)", hint=DAMAGED_HINT
                 )
+
+    def _check_image_sizes(self) -> None:
+        """The recorded image sizes (``widths`` and ``heights``), when there are any: both, of an encoded
+        archive, int32, each side from 1, or both 0 (a header that did not read), so that no grouping
+        by aspect ratio trusts a forged size.  A set's parts check their own."""
+        widths, heights = self.index.widths, self.index.heights
+        if (widths is None and heights is None) or self.backend.joins_parts:
+            return
+        if widths is None or heights is None or self.manifest.mode != "encoded":
+            problem = ("the index records image widths or heights, not both" if self.manifest.mode == "encoded"
+                       else "the index of a raw archive records image sizes (its manifest gives their shape)")
+            raise CorruptArchiveError(self.path, problem, hint=DAMAGED_HINT)
+        for name, array in (("widths", widths), ("heights", heights)):
+            if array.dtype != np.int32 or array.ndim != 1:
+                raise CorruptArchiveError(self.path, f"the index array {name!r} is {array.dtype} of {array.ndim} "
+                                                     f"dimensions, not int32 of 1", hint=DAMAGED_HINT)
+        w, h = np.asarray(widths), np.asarray(heights)
+        bad = np.flatnonzero((w < 0) | (h < 0) | ((w == 0) != (h == 0)))
+        if len(bad):
+            i = int(bad[0])
+            raise CorruptArchiveError(self.path, f"the index records sample {i}'s image size as {int(w[i])} x "
+                                                 f"{int(h[i])} pixels (width x height), which no image has",
+                                      index=i, key=self.index.key(i), hint=DAMAGED_HINT)
+
+    def _check_labels(self) -> None:
+        """Every label as the manifest declares them: -1 (``NO_LABEL``) in an archive without labels, else
+        a class (>= 0, and below the number of classes where it names them), so that no sample of a set
+        that has labels is read as having none, or the other way round.  A set's parts check their own."""
+        labels = self.index.labels
+        if self.backend.joins_parts or not len(labels):
+            return
+        low, high = int(labels.min()), int(labels.max())
+        if not self.manifest.labelled:
+            if low == high == NO_LABEL:
+                return
+            i = int(np.flatnonzero(np.asarray(labels) != NO_LABEL)[0])
+            problem = f"the manifest says the samples have no label, but sample {i} has label {int(labels[i])}"
+        else:
+            top = len(self.manifest.classes)
+            if low >= 0 and (high < top or not top):
+                return
+            i = int(np.flatnonzero((np.asarray(labels) < 0) | (np.asarray(labels) >= (top or high + 1)))[0])
+            problem = (f"sample {i} has label {int(labels[i])}, no class of the archive's {top}" if top else
+                       f"sample {i} has label {int(labels[i])}, but the manifest says the samples have labels")
+        raise CorruptArchiveError(self.path, problem, index=i, key=self.index.key(i), hint=DAMAGED_HINT)
 
     def _check_index_consistent(self) -> None:
         n = self.manifest.count

@@ -25,8 +25,9 @@ from ..errors import CorruptArchiveError
 from .sharded import index_text, read_shard_index
 
 SAMPLES_SUFFIX = "-samples.npz"
-# its arrays: nothing else is read or written (field_crc32: one row of CRC32s a field of the manifest)
-SAMPLE_FIELDS = ("labels", "keys", "crc32", "counts", "field_crc32")
+# its arrays: nothing else is read or written (field_crc32: one row of CRC32s a field of the manifest;
+# widths and heights: the images' sizes, where the parts record them)
+SAMPLE_FIELDS = ("labels", "keys", "crc32", "counts", "field_crc32", "widths", "heights")
 REWRITE_HINT = "write it again: join the set again, or convert it again"
 
 
@@ -64,6 +65,9 @@ def sample_arrays(reader: Any) -> Dict[str, np.ndarray]:
     }
     if reader.index.crc32 is not None:
         arrays["crc32"] = np.asarray(reader.index.crc32, dtype=np.uint32)
+    if reader.index.widths is not None and reader.index.heights is not None:
+        arrays["widths"] = np.asarray(reader.index.widths, dtype=np.int32)
+        arrays["heights"] = np.asarray(reader.index.heights, dtype=np.int32)
     rows = reader.index.field_crc32s([spec.name for spec in reader.fields])
     if reader.fields and rows is not None:  # each field's CRC32s, a row a field
         arrays["field_crc32"] = np.stack([np.asarray(row, dtype=np.uint32) for row in rows])

@@ -441,15 +441,27 @@ class ShardedBackend(Backend[ShardedHandle]):
     def read(self, handle: ShardedHandle, i: int) -> bytes:
         p, j = part_of(self.starts, i)
         with self._part(p) as part:
+            return self.stored_bytes(part, j)
+
+    def stored_bytes(self, part: Reader, j: int) -> bytes:
+        """Sample j of ``part``, its stored bytes: a raw one's in this archive's layout, which a source of a
+        Mixture may not share (a set's parts do: ``AGREEING_FIELDS``)."""
+        if part.mode != "raw" or part.manifest.raw_layout == self.manifest.raw_layout:
             return part.read_bytes(j)
+        pixels = cast(np.ndarray, part.read(j))  # H x W x C
+        return np.ascontiguousarray(pixels.transpose(2, 0, 1) if self.manifest.raw_layout == "chw" else pixels
+                                    ).tobytes()
 
     def read_batch(self, handle: ShardedHandle, idx: np.ndarray, out: np.ndarray) -> None:
         for p, mask, local in by_part(self.starts, idx):
             with self._part(p) as part:
-                if mask.all():
-                    part.read_many(local, out=out)
+                if part.manifest.raw_layout != self.manifest.raw_layout:  # a Mixture's source of another layout
+                    pixels = cast(np.ndarray, part.read_many(local))
+                    out[mask] = pixels.transpose(0, 3, 1, 2) if self.manifest.raw_layout == "chw" else pixels
+                elif mask.all():
+                    part.read_many_stored(local, out=out)
                 else:
-                    out[mask] = part.read_many(local)
+                    out[mask] = part.read_many_stored(local)
 
     def read_field(self, handle: ShardedHandle, name: str, i: int) -> bytes:
         p, j = part_of(self.starts, i)
@@ -505,7 +517,8 @@ def _what_fits(limit: int, needed: int) -> str:
     return f"{raise_limit}, or keep at most {fits} parts open (max_open_parts, or {ENVIRONMENT_VARIABLE})"
 
 
-AGREEING_FIELDS = ("mode", "shape", "dtype", "classes", "checksum", "fields")  # every part's as the set's
+AGREEING_FIELDS = ("mode", "shape", "raw_layout", "dtype", "classes", "checksum", "fields",
+                   "labelled")  # every part's as the set's
 # (encoding may differ)
 
 
@@ -614,10 +627,13 @@ def _joined_index(parts: List[Reader]) -> SampleIndex:
     arrays only its CRC32s are joined: where its bytes lie each part knows, and its reads go to the part."""
     crc = None if any(p.index.crc32 is None for p in parts) else JoinedArray.of(_PartArrays(parts, "crc32"))
     field_crcs = [field_array(spec.name, "crc32") for spec in parts[0].manifest.fields]
+    sized = all(p.index.widths is not None and p.index.heights is not None for p in parts)  # else none: read
     return SampleIndex(
         labels=cast(np.ndarray, JoinedArray.of(_PartArrays(parts, "labels"))),
         keys=cast(np.ndarray, JoinedArray.of(_PartArrays(parts, "keys"))),
         crc32=cast(Optional[np.ndarray], crc),
+        widths=cast(Optional[np.ndarray], JoinedArray.of(_PartArrays(parts, "widths")) if sized else None),
+        heights=cast(Optional[np.ndarray], JoinedArray.of(_PartArrays(parts, "heights")) if sized else None),
         fields={name: cast(np.ndarray, JoinedArray.of(_PartArrays(parts, name, field=True)))
                 for name in field_crcs if all(name in p.index.fields for p in parts)},
     )

@@ -15,12 +15,12 @@ from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .. import codecs
+from .. import codecs, policy
 from ..checksum import array_crc32, crc32
 from ..errors import ArchiveExistsError, ClosedArchiveError, CorruptArchiveError, DestinationError, InvalidSampleError
 from ..fields import FieldValueError, check_fields
 from ..index import FieldIndexBuilder, IndexBuilder, SampleIndex
-from ..manifest import MODES, ArchiveManifest, new_manifest
+from ..manifest import MODES, NO_LABEL, RAW_LAYOUTS, ArchiveManifest, new_manifest
 from .base import WriteTransaction
 from .files import publish, remove_path, temp_path_for
 from .reader import Reader
@@ -43,6 +43,11 @@ class Writer(WriteTransaction):
         overwrite: replace an archive already at ``path`` (else ArchiveExistsError).
         fields: what each sample holds besides its image and label (``fields.FieldSpec`` or ``NAME=KIND``
             strings); ``add`` then takes each sample's values as ``fields={name: value}``.
+        raw_layout: how a raw archive stores each sample's pixels: "hwc" (interleaved) or "chw" (planar,
+            channel by channel: a contiguous NCHW batch is then a plain copy of them).  ``add`` takes
+            HxWxC images either way.
+        labelled: False for samples that have no label (detection, segmentation, unlabelled images): no
+            ``classes``, and ``add`` takes ``label`` None or -1, which every sample then reads as.
     """
 
     format_name: ClassVar[str] = ""
@@ -60,6 +65,8 @@ class Writer(WriteTransaction):
         quality: int = 90,
         overwrite: bool = False,
         fields: Sequence[Any] = (),
+        raw_layout: str = "hwc",
+        labelled: bool = True,
     ) -> None:
         self.path = os.fspath(path)
         self.fields = check_fields(fields)
@@ -72,6 +79,13 @@ class Writer(WriteTransaction):
         self.shape = _check_shape(shape) if mode == "raw" else None
         if mode == "raw" and self.shape is None:
             raise ValueError("mode='raw' needs shape=(height, width, channels)")
+        if raw_layout not in RAW_LAYOUTS or (raw_layout != "hwc" and mode != "raw"):
+            raise ValueError(f"raw_layout must be one of {RAW_LAYOUTS}, and 'hwc' unless mode='raw', "
+                             f"got {raw_layout!r} for mode={mode!r}")
+        self.raw_layout = raw_layout
+        self.labelled = bool(labelled)
+        if not self.labelled and len(classes):
+            raise ValueError("an archive without labels (labelled=False) names no classes")
         if encoding not in codecs.ENCODINGS:
             raise ValueError(f"encoding must be one of {codecs.ENCODINGS}, got {encoding!r}")
         self.classes = tuple(str(c) for c in classes)
@@ -80,7 +94,7 @@ class Writer(WriteTransaction):
         self.overwrite = overwrite
         self._encodings_seen: set = set()
         self._builder = IndexBuilder(offsets=mode == "encoded" or self.stores_positions,
-                                     positions=self.stores_positions)
+                                     positions=self.stores_positions, image_sizes=mode == "encoded")
         self._field_builder = FieldIndexBuilder([spec.name for spec in self.fields], positions=self.stores_positions)
         self._closed = False
         if os.path.lexists(self.path) and not overwrite:
@@ -132,6 +146,12 @@ class Writer(WriteTransaction):
             raise ValueError("only a raw archive has a fixed sample shape")
         return self.shape
 
+    @property
+    def stored_shape(self) -> Tuple[int, int, int]:
+        """The shape each raw sample's bytes are stored in: (H, W, C), or (C, H, W) when planar."""
+        h, w, c = self.raw_shape
+        return (c, h, w) if self.raw_layout == "chw" else (h, w, c)
+
     # ---- the public writing API --------------------------------------------------
     def __len__(self) -> int:
         return self._builder.count
@@ -145,14 +165,14 @@ class Writer(WriteTransaction):
         i = self._builder.count
         key = f"{i:08d}" if key is None else str(key)
         label = self._check_label(label, i, key)
-        blob = self._to_blob(sample, i, key)
+        blob, size = self._to_blob(sample, i, key)
         values = self._field_blobs(fields, i, key)  # all checked before anything of the sample is written
         crc = crc32(blob)
         position = self.append(blob, i, crc)
         for name, value in values:
             value_crc = crc32(value)
             self._field_builder.append(name, value_crc, len(value), self.append_field(name, value, i, value_crc))
-        self._builder.append(label, key, crc, len(blob), position)
+        self._builder.append(label, key, crc, len(blob), position, size)
         return i
 
     def _field_blobs(self, values: Optional[Dict[str, Any]], i: int, key: str) -> List[Tuple[str, bytes]]:
@@ -191,7 +211,7 @@ class Writer(WriteTransaction):
             checksums = [(name, array_crc32(array)) for name, array in index.arrays().items()]
             manifest = new_manifest(
                 self.format_name, self.mode, len(index), self.classes, self.shape, self._manifest_encoding(), checksums,
-                fields=self.fields,
+                fields=self.fields, raw_layout=self.raw_layout, labelled=self.labelled,
             )
             self.finish(index, manifest)
             del index, positions  # the file holds the index now: the spot check maps it from there
@@ -225,6 +245,11 @@ class Writer(WriteTransaction):
         return "mixed" if self._encodings_seen else self.encoding
 
     def _check_label(self, label: Any, i: int, key: str) -> int:
+        if not self.labelled:
+            if label is None or (isinstance(label, (int, np.integer)) and int(label) == NO_LABEL):
+                return NO_LABEL
+            raise InvalidSampleError(self.path, f"label {label!r} for an archive without labels (labelled=False): "
+                                     "give None or -1", index=i, key=key)
         try:
             value = int(label)
         except (TypeError, ValueError):
@@ -233,9 +258,15 @@ class Writer(WriteTransaction):
             raise InvalidSampleError(
                 self.path, f"label {value} is out of range for {len(self.classes)} classes", index=i, key=key
             )
+        if value < 0:
+            raise InvalidSampleError(self.path, f"label {value} is negative: labels count from 0", index=i, key=key,
+                                     hint="for samples without labels, write the archive with labelled=False")
         return value
 
-    def _to_blob(self, sample: Any, i: int, key: str) -> bytes:
+    def _to_blob(self, sample: Any, i: int, key: str) -> Tuple[bytes, Tuple[int, int]]:
+        """The bytes to store of sample i, and (encoded) its image's (width, height) for the index: from
+        the pixels encoded here, else from the file's header ((0, 0), unknown, when it does not read:
+        the bytes are stored as given, and fail where they are decoded)."""
         try:
             if self.mode == "encoded":
                 if isinstance(sample, (bytes, bytearray, memoryview)):
@@ -243,10 +274,13 @@ class Writer(WriteTransaction):
                     kind = codecs.sniff(data)
                     if kind is None:
                         raise codecs.DecodeError("not a JPEG or PNG file")
+                    size = _header_size(data)
                 else:
-                    data, kind = codecs.encode(codecs.to_array(sample), self.encoding, self.quality), self.encoding
+                    pixels = codecs.to_array(sample)
+                    data, kind = codecs.encode(pixels, self.encoding, self.quality), self.encoding
+                    size = (int(pixels.shape[1]), int(pixels.shape[0]))
                 self._encodings_seen.add(kind)
-                return data
+                return data, size
             pixels = codecs.to_array(sample, channels=self.raw_shape[2])
         except codecs.DecodeError as exc:
             raise InvalidSampleError(self.path, f"cannot store sample: {exc}", index=i, key=key) from None
@@ -259,7 +293,9 @@ class Writer(WriteTransaction):
                 key=key,
                 hint="resize it first, e.g. packed-formats convert --size",
             )
-        return np.ascontiguousarray(pixels).tobytes()
+        if self.raw_layout == "chw":
+            pixels = pixels.transpose(2, 0, 1)  # planar: each channel's plane in turn
+        return np.ascontiguousarray(pixels).tobytes(), (0, 0)  # a raw archive's index records no sizes
 
     def _spot_check(self, count: int) -> None:
         from . import spec
@@ -271,6 +307,15 @@ class Writer(WriteTransaction):
                 reader.read(i)
                 for field in self.fields:
                     reader.read_field(i, field.name)
+
+
+def _header_size(data: bytes) -> Tuple[int, int]:
+    """An encoded image's (width, height) from its header alone (no decode), or (0, 0) when it does not read."""
+    try:
+        width, height = policy.image_size(data)
+    except codecs.DecodeError:
+        return 0, 0
+    return (width, height) if 0 < width < 1 << 31 and 0 < height < 1 << 31 else (0, 0)
 
 
 def _check_shape(shape: Optional[Sequence[int]]) -> Optional[Tuple[int, int, int]]:

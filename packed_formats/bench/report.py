@@ -115,7 +115,7 @@ def _fmt(value: Optional[float], spec: str, suffix: str = "") -> str:
 
 
 def _run_cells(row: Dict[str, Any]) -> List[str]:
-    kind = f"{row['format']}/{row['mode']}"
+    kind = f"{row['format']}/{row['mode']}" + (" chw" if row.get("raw_layout") == "chw" else "")  # planar pixels
     head = [row["pipeline"], row["target"], row["loader"], kind, str(row["workers"])]
     if row.get("error"):
         return head + ["FAILED"] + [""] * (len(HEADER) - len(head) - 1)
@@ -169,6 +169,8 @@ def format_table(results: Dict[str, Any]) -> str:
         size = t["size"]
         vs = f" ({size['vs_source']:.2f}x the source folder)" if "vs_source" in size else ""
         layout = "x".join(map(str, t["shape"])) if t["shape"] else t["encoding"]
+        if t["shape"] and t.get("raw_layout"):  # what a batch in the loader's layout copies from
+            layout += f" stored {t['raw_layout']}"
         lines.append(f"  {t['name']}: {t['format']}/{t['mode']} {layout}, {t['count']} samples, "
                      f"{size['bytes_on_disk'] / 2**20:.1f} MiB on disk in {size['files']} file(s){vs}, "
                      f"file system {t['filesystem']}")

@@ -93,6 +93,7 @@ def describe_target(path: str, source_bytes: Optional[int]) -> Dict[str, Any]:
         "format": fmt,
         "mode": manifest.mode,
         "shape": list(manifest.shape) if manifest.shape else None,
+        "raw_layout": manifest.raw_layout if manifest.mode == "raw" else None,  # how its pixels are stored
         "encoding": manifest.encoding,
         "count": manifest.count,
         "classes": len(manifest.classes),
@@ -142,7 +143,8 @@ def measure_one(target: Dict[str, Any], loader: str, pipeline: str, workers: int
     row: Dict[str, Any] = {
         "target": target["name"] if role == "target" else f"{loader} ({target['name']})",
         "path": target["path"], "role": role, "loader": loader, "format": target["format"],
-        "mode": target["mode"], "shape": target["shape"], "pipeline": pipeline, "workers": workers,
+        "mode": target["mode"], "shape": target["shape"], "raw_layout": target.get("raw_layout"),
+        "pipeline": pipeline, "workers": workers,
         "batch_size": config.batch_size, "start_method": config.start_method or multiprocessing.get_start_method(),
         "cold": config.cold, "error": None,
     }

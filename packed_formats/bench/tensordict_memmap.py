@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..archives import open_archive
 from ..errors import FormatMismatchError
 
 MEAN = (0.485, 0.456, 0.406)
@@ -45,6 +46,8 @@ class TutorialMemmapData(torch.utils.data.Dataset):
                     self.path, f"the tensordict-style baseline needs a raw memmap archive ({name} is missing)"
                 )
         self._mapped: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # (images, targets) once mapped
+        with open_archive(self.path, verify=False) as reader:  # images.npy is [N,C,H,W] already when planar
+            self._planar = reader.manifest.raw_layout == "chw"
         self._length = int(np.load(os.path.join(self.path, "labels.npy"), mmap_mode="r").shape[0])
 
     def _map(self) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -53,7 +56,8 @@ class TutorialMemmapData(torch.utils.data.Dataset):
             labels = np.load(os.path.join(self.path, "labels.npy"), mmap_mode="r")
             with warnings.catch_warnings():  # read-only maps; nothing writes to them
                 warnings.simplefilter("ignore", UserWarning)
-                self._mapped = torch.from_numpy(images).permute(0, 3, 1, 2), torch.from_numpy(labels)
+                mapped = torch.from_numpy(images)
+                self._mapped = mapped if self._planar else mapped.permute(0, 3, 1, 2), torch.from_numpy(labels)
         return self._mapped
 
     def __getstate__(self):

@@ -11,7 +11,7 @@ from typing import Any, Dict, Iterator, List, Union
 
 from .. import codecs
 from ..backends import PACKED_FORMATS
-from ..manifest import MODES
+from ..manifest import MODES, RAW_LAYOUTS
 from ..policy import RESIZE_MODES
 from ..sources import source_formats
 from ..sources.python import PythonSource
@@ -61,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=MODES, default="encoded", help="raw pixels or encoded bytes")
     parser.add_argument("--size", type=_size, metavar="N|HxW", help="resize to this size (required for raw)")
     parser.add_argument("--resize-mode", choices=RESIZE_MODES, default="stretch", help="how to resize for --size")
+    parser.add_argument("--raw-layout", choices=RAW_LAYOUTS, default="hwc",
+                        help="how --mode raw stores pixels: hwc (interleaved, default) or chw (planar: the loader's "
+                             "default NCHW batches are then a plain copy; keep hwc for channels_last training)")
     parser.add_argument("--boxes", action="append", metavar="NAME=FORMAT", default=[],
                         help="an array field of boxes (XYXY, XYWH or CXCYWH, in the source image's pixels) that "
                              "--size moves, scales and clamps with the image; repeatable")
@@ -94,8 +97,9 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--subdir", "--split", metavar="DIR", help="the folder (split) to read in a folder, zip or "
                        "tar; HDF5 group; the split of Hugging Face parquet or save_to_disk files (train, test...)")
     group.add_argument("--source-format", choices=source_formats(), help="read SRC as this kind (default: detected)")
-    group.add_argument("--label-key", "--label-column", metavar="NAME", help="webdataset label extension (cls), "
-                       "HDF5 labels dataset, pickled record field, or parquet/arrow label column")
+    group.add_argument("--label-key", "--label-column", metavar="NAME", help="webdataset label extension (cls; "
+                       "none: shards without labels), HDF5 labels dataset, pickled record field, or parquet/arrow "
+                       "label column")
     group.add_argument("--image-key", "--image-column", metavar="NAME", help="webdataset image extension(s) "
                        "(jpg,jpeg,png,webp), HDF5 images dataset, pickled record field, or parquet/arrow image column")
     group.add_argument("--field", action="append", metavar="NAME=KIND", help="a field to pack with each sample, "
@@ -164,6 +168,7 @@ def _convert(args: argparse.Namespace) -> ConvertSummary:
         part=args.part,
         boxes=args.boxes,
         unscaled=args.unscaled,
+        raw_layout=args.raw_layout,
         **source_options(args),
     )
 

@@ -58,7 +58,7 @@ def describe(path: "str | Sequence[str]", **options: Any) -> Dict[str, Any]:
 def describe_source(path: "str | Sequence[str]", **options: Any) -> Dict[str, Any]:
     """What ``convert`` would read from a dataset (kind, layout, samples, classes with counts), without converting."""
     with open_source(path, **options) as source:
-        counts = np.bincount(source.labels, minlength=len(source.classes))
+        counts = np.bincount(source.labels[source.labels >= 0], minlength=len(source.classes))  # -1: no label
         return {
             "path": path if isinstance(path, str) else list(path),
             "source": source.kind,
@@ -70,6 +70,7 @@ def describe_source(path: "str | Sequence[str]", **options: Any) -> Dict[str, An
             "failed": source.failed,
             "reading": source.notes(),
             "classes": {name: int(counts[c]) for c, name in enumerate(source.classes)},
+            **({"labelled": False} if not source.labelled else {}),
             **({"fields": [spec.describe() for spec in source.fields]} if source.fields else {}),
         }
 
@@ -82,7 +83,8 @@ def describe_archive(path: str) -> Dict[str, Any]:
     """The facts ``info`` prints about an archive (or a plain ImageFolder tree), as a dict."""
     with open_archive(path, verify=False) as reader:
         m = reader.manifest
-        counts = np.bincount(reader.labels, minlength=len(m.classes)) if len(reader) else np.zeros(len(m.classes))
+        labels = np.asarray(reader.labels) if m.labelled else np.zeros(0, np.int64)  # without labels: all -1
+        counts = np.bincount(labels, minlength=len(m.classes)) if len(labels) else np.zeros(len(m.classes))
         facts = {
             "path": storage.clean_url(path) if storage.is_remote(path) else path,  # a URL's credentials hidden
             "format": m.format,
@@ -96,8 +98,12 @@ def describe_archive(path: str) -> Dict[str, Any]:
             "created_at": m.created_at,
             "classes": {name: int(counts[c]) for c, name in enumerate(m.classes)},
         }
+        if not m.labelled:
+            facts["labelled"] = False
         if m.fields:
             facts["fields"] = [spec.describe() for spec in m.fields]
+        if m.raw_layout != "hwc":  # left out for interleaved pixels, as every archive before version 6 stores them
+            facts["raw_layout"] = m.raw_layout
         parts = getattr(reader.backend, "parts", None)
         if isinstance(reader.backend, storage.RemoteSetBackend):
             facts["parts"] = [{"path": p.url, "format": reader.backend.part_format, "samples": p.count}
@@ -144,6 +150,8 @@ def _lines(f: Dict[str, Any], all_classes: bool) -> List[str]:
     layout = (
         f"shape       {'x'.join(map(str, f['shape']))} (HxWxC uint8)" if f["shape"] else f"encoding    {f['encoding']}"
     )
+    if f.get("raw_layout") == "chw":
+        layout += ", stored planar (CxHxW: raw_layout chw)"
     parts = f" ({len(f['parts'])} {f['parts'][0]['format']} parts)" if "parts" in f else ""
     lines = [
         f"path        {f['path']}",
@@ -161,6 +169,8 @@ def _lines(f: Dict[str, Any], all_classes: bool) -> List[str]:
 
 
 def _class_lines(f: Dict[str, Any], all_classes: bool) -> List[str]:
+    if f.get("labelled") is False:  # declared: no class names, every label -1
+        return ["labels      none (declared: every label -1)"]
     lines = [f"classes     {len(f['classes'])}"]
     items = list(f["classes"].items())
     shown = items if all_classes else items[:_SHOWN_CLASSES]

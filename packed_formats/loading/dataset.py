@@ -27,7 +27,7 @@ from ..errors import ArchiveNotFoundError, PackedFormatError, SampleIndexError, 
 from ..handles import ProcessLocal
 from ..index import SampleIndex, decode_key
 from ..tracebacks import drops_frames
-from . import sample_fields, temp_dir
+from . import sample_fields, targets, temp_dir
 from .mixture import Mixture
 
 OUTPUTS = ("tensor", "pil", "numpy")
@@ -68,6 +68,12 @@ class PackedDataset(torch.utils.data.Dataset):
             are then dicts of ``image``, ``label`` and each field; ``transform`` gets the whole dict
             (torchvision v2 transforms move masks and boxes with the image), ``target_transform`` the label.
             Batch them with ``collate_fn=dataset.collate``.  Without ``fields`` no field byte is read.
+        target: "coco": items are ``(image, target)`` as torchvision's detection and segmentation references
+            take them, the target a dict of ``boxes``, ``labels``, ``image_id``, ``area``, ``iscrowd`` and
+            (where the archive has them) ``masks``, made from the fields the COCO and VOC importers write
+            (``targets``); ``fields`` may then name the ones to read (leave ``masks`` out for boxes alone).
+            ``transform`` gets the image, ``target_transform`` the target, ``transforms`` both (v2 transforms
+            move boxes and masks with the image); ``collate`` batches them as tuples, as the references do.
         cache_dir, cache_limit, storage_options: for a URL (``s3://``, ``gs://``,
             ``https://``): the node-local cache of its parts and fsspec's options
             (see ``open_archive``).
@@ -91,6 +97,7 @@ class PackedDataset(torch.utils.data.Dataset):
         *,
         fields: "Sequence[str] | Dict[str, str] | None" = None,
         transforms: Optional[Callable] = None,
+        target: Optional[str] = None,
         cache_dir: "str | os.PathLike[str] | None" = None,
         cache_limit: "int | str | None" = None,
         storage_options: Optional[Dict[str, Any]] = None,
@@ -110,6 +117,13 @@ class PackedDataset(torch.utils.data.Dataset):
         self.transform = transform
         self.target_transform = target_transform
         self.output = output
+        if target is not None:
+            if target not in targets.TARGETS:
+                raise ValueError(f"target must be one of {targets.TARGETS} or None, got {target!r}")
+            if isinstance(fields, dict):
+                raise ValueError("with target='coco', fields= names the fields to read (their roles are the target's)")
+            fields = targets.coco_roles(fields, self.reader.fields)
+        self.target = target
         self.fields = sample_fields.parse_roles(fields, self.reader.fields, output)
         self._cache: ProcessLocal[Dict[str, Any]] = ProcessLocal(dict)  # never pickled: see loader()
 
@@ -267,14 +281,18 @@ class PackedDataset(torch.utils.data.Dataset):
         return image, label
 
     @property
-    def collate(self) -> Callable[[List[Dict[str, Any]]], Dict[str, Any]]:
+    def collate(self) -> Callable[[List[Any]], Any]:
         """The ``collate_fn`` for a DataLoader over this dataset's dicts (with ``fields``): variable-length
-        fields (boxes, points), text and JSON batched as lists, labels as a tensor, the rest stacked."""
+        fields (boxes, points), text and JSON batched as lists, labels as a tensor, the rest stacked.  With
+        ``target``: ``(images, targets)``, each a tuple, as torchvision's references batch them."""
+        if self.target is not None:
+            return _as_tuples
         lists = sample_fields.variable(self.fields or {}, self.reader.fields)
         return functools.partial(sample_fields.collate, lists=tuple(lists))
 
-    def _sample_with_fields(self, stored: Any, i: int, roles: Dict[str, str]) -> Dict[str, Any]:
-        """Sample i as a dict of its image, label and the fields asked for, transformed together."""
+    def _sample_with_fields(self, stored: Any, i: int, roles: Dict[str, str]) -> Any:
+        """Sample i as a dict of its image, label and the fields asked for, transformed together (with
+        ``target``, or ``transforms``: as the pair they make)."""
         image = self._to_output(stored, i, self.output)
         if isinstance(image, Image.Image):
             canvas = (image.size[1], image.size[0])
@@ -282,7 +300,7 @@ class PackedDataset(torch.utils.data.Dataset):
             canvas = (int(image.shape[-2]), int(image.shape[-1])) if isinstance(image, torch.Tensor) else (
                 int(image.shape[0]), int(image.shape[1]))
         sample: Dict[str, Any] = {"image": image, "label": int(self.reader.labels[i])}
-        if sample_fields.uses_tv_tensors(roles):
+        if sample_fields.uses_tv_tensors(roles) and isinstance(image, torch.Tensor):  # a PIL image stays one
             from torchvision import tv_tensors
 
             sample["image"] = tv_tensors.Image(image)
@@ -293,6 +311,8 @@ class PackedDataset(torch.utils.data.Dataset):
                                                          canvas, self._channels())
             except (ValueError, codecs.DecodeError) as exc:
                 raise self.reader.sample_error(i, f"field {name!r}: {exc}") from None
+        if self.target is not None:
+            return self._with_target(sample, i)
         if self._joint is not None:  # (image, target): the target the label and the fields
             image = sample.pop("image")
             return self._joint(image, sample)
@@ -301,6 +321,18 @@ class PackedDataset(torch.utils.data.Dataset):
         if self.target_transform is not None:
             sample["label"] = self.target_transform(sample["label"])
         return sample
+
+    def _with_target(self, sample: Dict[str, Any], i: int) -> Tuple[Any, Any]:
+        """``(image, target)`` of sample i's dict, as ``target`` asks, transformed as torchvision's datasets do."""
+        image = sample.pop("image")
+        target = targets.coco_target(sample, i)
+        if self._joint is not None:
+            return self._joint(image, target)
+        if self.transform is not None:
+            image = self.transform(image)
+        if self.target_transform is not None:
+            target = self.target_transform(target)
+        return image, target
 
     def _to_output(self, stored: Any, i: int, output: str) -> Any:
         channels = self._channels()
@@ -362,6 +394,11 @@ def _first_refusing_numpy(transform: Callable) -> Optional[str]:
 
 def _from_torchvision(transform: Callable) -> bool:
     return type(transform).__module__.startswith("torchvision.transforms")
+
+
+def _as_tuples(batch: List[Tuple[Any, Any]]) -> Tuple[Tuple[Any, ...], ...]:
+    """``(images, targets)`` of a batch of pairs, each a tuple (torchvision's references batch so)."""
+    return tuple(zip(*batch))
 
 
 def _class_folders(path: str) -> List[str]:

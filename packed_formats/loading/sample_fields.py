@@ -9,10 +9,11 @@ asked for.  Each field is asked for with a *role* saying what it becomes:
 * ``"mask"``: a ``tv_tensors.Mask`` (an image field's one channel, or a 2-D array field);
 * ``"boxes:FORMAT"``: a ``tv_tensors.BoundingBoxes`` of an ``[N, 4]`` array field in ``FORMAT`` (XYXY,
   XYWH or CXCYWH) on the sample image's canvas;
-* ``"image"``: a ``tv_tensors.Image`` (a second view).
+* ``"image"``: a ``tv_tensors.Image`` (a second view; beside a PIL image, a PIL image).
 
-With any tv_tensors role the sample's image is a ``tv_tensors.Image`` too, so that torchvision's v2
-transforms, given the whole dict, move masks and boxes with the image.  ``PackedDataset.collate``
+With any tv_tensors role the sample's image is a ``tv_tensors.Image`` too (with ``output="pil"`` it stays
+the PIL image, which v2 transforms take as an image as well), so that torchvision's v2 transforms, given the
+whole dict, move masks and boxes with the image.  ``PackedDataset.collate``
 batches such dicts: variable-length fields (boxes, points), text and JSON as lists, the rest stacked.
 """
 
@@ -52,8 +53,9 @@ def parse_roles(fields: "Sequence[str] | Mapping[str, str] | None", specs: Seque
             raise ValueError(f"field {name!r} ({spec.describe()}): a mask is an image field or a 2-D or 3-D array")
         if kind == "image" and spec.kind != "image":
             raise ValueError(f"field {name!r} ({spec.describe()}): only an image field is an image")
-        if kind != "value" and output != "tensor":
-            raise ValueError(f"field {name!r}: tv_tensors roles need output='tensor', got output={output!r}")
+        if kind != "value" and output == "numpy":  # v2 transforms take a PIL image or a tensor, never numpy
+            raise ValueError(f"field {name!r}: tv_tensors roles need output='pil' or 'tensor' (torchvision's v2 "
+                             f"transforms pass numpy images through unchanged), got output={output!r}")
     return roles
 
 
@@ -83,6 +85,8 @@ def field_value(spec: FieldSpec, role: str, value: Any, output: str, canvas: Tup
         check_mask_shape(value, size)
         return tv_tensors.Mask(torch.from_numpy(value))
     check_image_size(value, size, "a second view")
+    if output == "pil":  # beside a PIL image a PIL view, so that a resize takes both the same way
+        return image_output(value, "pil", channels)
     return tv_tensors.Image(image_output(value, "tensor", channels))
 
 

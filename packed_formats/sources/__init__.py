@@ -123,8 +123,12 @@ def open_source(
     if options.fields and not options.no_fields and not source.reads_fields:
         source.close()
         readers = ", ".join(k.kind for k in KINDS if k.reads_fields)
+        hint = "convert it without --field"
+        if source.kind == "tar":  # a webdataset shard without .cls members reads as a tar of class folders
+            hint = ("for webdataset shards without labels (no .cls members), declare it with --label-key none "
+                    "(label_key='none'); else " + hint)
         raise InvalidSourceError(source.path, f"fields are read from {readers} sources so far; this is a "
-                                              f"{source.kind} source", hint="convert it without --field")
+                                              f"{source.kind} source", hint=hint)
     if isinstance(source, PackedSource):
         return source
     if len(source) == 0:

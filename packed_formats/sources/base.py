@@ -136,6 +136,8 @@ class Source:
     label_advice: ClassVar[Optional[str]] = None
     # False: the images have no class of their own (detection, segmentation): every label 0, never warned of.
     image_labels: ClassVar[bool] = True
+    # False: declared to have no labels (``label_key="none"``): no classes, every label -1, and the archive says so.
+    labelled: bool = True
 
     def __init__(
         self,
@@ -252,7 +254,7 @@ def _is_integer(word: str) -> bool:
 def warn_if_suspicious(source: Source) -> None:
     """A SourceWarning when the source has one class, every label equal, or splits as classes."""
     classes, path = source.classes, source.path
-    if len(source) == 0 or not source.image_labels:
+    if len(source) == 0 or not source.image_labels or not source.labelled:
         return
     counts = np.bincount(source.labels, minlength=len(classes))
     if len(classes) == 1:

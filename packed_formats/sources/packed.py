@@ -58,6 +58,7 @@ class PackedSource(Source):
                 raise InvalidSourceError(path, f"a packed_formats archive takes no {name} option")
         source = cls(path, open_archive(path, verify=True))
         source.fields = () if options.no_fields else source.reader.fields
+        source.labelled = source.reader.manifest.labelled  # an archive without labels stays one
         declared = options.declared_fields
         if declared and not options.auto_fields:
             unknown = [spec.describe() for spec in declared if spec not in source.fields]

@@ -10,6 +10,9 @@ runs in parallel.  Items may be ``(image, label)`` pairs or dicts with
 array (HxW or HxWxC) or tensor (CxHxW), JPEG/PNG bytes or a path.
 
 Its keys are the items' indices (zero-padded), known before any item is read.
+Declared with ``labelled=False``, its items have no label (an image alone, a dict
+without ``label``, or a pair whose label is None or -1): the archive has no
+classes, says it has no labels, and every label is -1.
 Its labels come with its items (``label_at``), from the workers, unless the
 classes have to be found from the labels themselves (no ``classes=``, no
 ``classes`` attribute, no ``datasets`` ClassLabel): then they are listed
@@ -30,6 +33,7 @@ from PIL import Image
 from .. import codecs
 from ..errors import InvalidSampleError, InvalidSourceError, PackedFormatError
 from ..fields import FieldSpec, FieldValueError
+from ..manifest import NO_LABEL
 from .base import Source, SourceOptions, classes_and_labels
 
 _LEFT_OUT = object()  # what a function's None becomes: the input is left out of the archive
@@ -70,6 +74,7 @@ class PythonSource(Source):
             where there is fork).
         factory: ``(function, kwargs)`` that made ``data``: the workers call it themselves instead of
             receiving ``data`` pickled (``from_factory``).
+        labelled: False when the items have no label (see the module's notes); no ``classes`` then.
     """
 
     kind = "python"
@@ -79,7 +84,7 @@ class PythonSource(Source):
 
     def __init__(self, data: Any, inputs: Optional[Sequence[Any]] = None, *,
                  classes: Optional[Sequence[Any]] = None, start_method: Optional[str] = None,
-                 factory: Optional[Tuple[Callable[..., Any], Dict[str, Any]]] = None) -> None:
+                 factory: Optional[Tuple[Callable[..., Any], Dict[str, Any]]] = None, labelled: bool = True) -> None:
         if inputs is not None and not callable(data):
             raise ValueError(f"inputs= goes with a function that makes a sample of each input, got {type(data)!r}")
         if inputs is None and (isinstance(data, (str, bytes)) or not is_map_style(data)):
@@ -88,12 +93,16 @@ class PythonSource(Source):
         self.data, self.factory, self.start_method = data, factory, start_method
         self.inputs = None if inputs is None else list(inputs)
         self.given_classes = None if classes is None else tuple(str(c) for c in classes)
+        if not labelled and classes is not None:
+            raise ValueError("a Python source without labels (labelled=False) takes no classes=")
         name = getattr(data, "__qualname__", None) or type(data).__name__
         path = f"<{name} over {len(self.inputs)} inputs>" if self.inputs is not None else f"<{name} dataset>"
         count = len(self.inputs) if self.inputs is not None else len(data)
         width = key_width(count)
         keys = [f"{i:0{width}d}" for i in range(count)]
-        super().__init__(path, self.given_classes or (), keys, np.zeros(count, np.int64), layout="Python items")
+        super().__init__(path, self.given_classes or (), keys, np.full(count, 0 if labelled else NO_LABEL, np.int64),
+                         layout="Python items")
+        self.labelled = bool(labelled)
         self.labels_listed = False  # whether ``labels`` holds the labels listed to find the classes
         self.one_size = False  # raw mode without a size: every item must have item 0's size (``check_shape``)
         self.inferred_fields: Tuple[FieldSpec, ...] = ()  # the fields found in item 0 (fields="auto")
@@ -149,6 +158,8 @@ class PythonSource(Source):
             self.fields, self.inferred_fields = options.declared_fields + inferred, inferred
             found = ", ".join(f.describe() for f in inferred) or "none"
             print(f"{self.path}: fields found in item 0: {found}", flush=True)
+        if not self.labelled:  # declared: no classes to find, every label -1
+            return self
         classes = self.given_classes or self._dataset_classes()
         if classes is not None:
             self.classes = tuple(str(c) for c in classes)
@@ -197,7 +208,7 @@ class PythonSource(Source):
         item = self._draw(0) if len(self) else _LEFT_OUT
         if item is _LEFT_OUT or not isinstance(item, Mapping):
             return ()
-        _, _, values = _split(self.path, 0, item)
+        _, _, values = _split(self.path, 0, item, self.labelled)
         return tuple(_field_of(name, value) for name, value in values.items() if name not in declared)
 
     # ---- items -----------------------------------------------------------------------------------------
@@ -238,7 +249,7 @@ class PythonSource(Source):
         if self._cached[0] != i:
             self._cached = (i, None)
             item = self._draw(i)
-            self._cached = (i, item if item is _LEFT_OUT else _split(self.path, i, item))
+            self._cached = (i, item if item is _LEFT_OUT else _split(self.path, i, item, self.labelled))
         return self._cached[1]
 
     def label_at(self, i: int) -> Optional[int]:
@@ -248,6 +259,8 @@ class PythonSource(Source):
             return None
         # the item's own label, even where the classes were found from a listing (``targets``): a dataset whose
         # __getitem__ maps its targets (torchvision's target_transform) is packed as it reads
+        if not self.labelled:
+            return NO_LABEL
         return _label_index(self.path, i, self.key(i), item[1], self.classes)
 
     def load(self, i: int) -> Any:
@@ -351,8 +364,15 @@ def key_width(count: int) -> int:
 
 
 # ---- what an item holds ---------------------------------------------------------------------------------------
-def _split(path: str, i: int, item: Any) -> Tuple[Any, Any, Dict[str, Any]]:
-    """(image, label value, other values) of an item: an (image, label) pair or a dict."""
+def _split(path: str, i: int, item: Any, labelled: bool = True) -> Tuple[Any, Any, Dict[str, Any]]:
+    """(image, label value, other values) of an item: an (image, label) pair or a dict; without labels
+    (``labelled`` False) also an image alone or a dict without a label, and a label given must be None or -1."""
+    if not labelled:
+        image, label, values = _unlabelled_split(path, i, item)
+        if label is not None and not (isinstance(label, (int, np.integer)) and int(label) == NO_LABEL):
+            raise InvalidSampleError(path, f"the label {label!r} of an item of a source declared without labels "
+                                           "(labelled=False): give None or -1, or leave it out", index=i)
+        return image, NO_LABEL, values
     if isinstance(item, Mapping):
         image_name = next((n for n in _IMAGE_NAMES if n in item), None)
         label_name = next((n for n in _LABEL_NAMES if n in item), None)
@@ -366,6 +386,21 @@ def _split(path: str, i: int, item: Any) -> Tuple[Any, Any, Dict[str, Any]]:
     shape = f" of {len(item)} values" if isinstance(item, (tuple, list)) else ""
     raise InvalidSampleError(path, f"an item of type {type(item).__name__}{shape}: expected an (image, label) "
                                    "pair or a dict with 'image' and 'label'", index=i)
+
+
+def _unlabelled_split(path: str, i: int, item: Any) -> Tuple[Any, Any, Dict[str, Any]]:
+    """(image, label value or None, other values) of an item of a source without labels."""
+    if isinstance(item, Mapping):
+        image_name = next((n for n in _IMAGE_NAMES if n in item), None)
+        if image_name is None:
+            raise InvalidSampleError(path, f"a dict item with the keys {', '.join(map(str, item)) or 'none'}: "
+                                           "expected 'image' (and field values)", index=i)
+        label_name = next((n for n in _LABEL_NAMES if n in item), None)
+        values = {str(k): v for k, v in item.items() if k not in (image_name, label_name, "key", "__key__")}
+        return item[image_name], None if label_name is None else item[label_name], values
+    if isinstance(item, tuple) and len(item) == 2:
+        return item[0], item[1], {}
+    return item, None, {}
 
 
 def _image(path: str, i: int, key: str, value: Any) -> "bytes | np.ndarray":

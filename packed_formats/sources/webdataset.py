@@ -8,7 +8,9 @@ comma-separated list in order of preference), the label the text of the
 ``cls`` member (``label_key``): an integer, or a class name.  Samples keep
 the shards' order; a sample's key in the archive is its image member's name.
 A sample without label or image is an error naming the shard and key, or is
-left out with on_error="skip".
+left out with on_error="skip".  ``label_key="none"`` (``--label-key none``)
+declares shards without labels (detection, segmentation): no member is a
+label, the archive has no classes, says it has no labels, and every label is -1.
 
 With ``fields`` the sample's other members become fields of the archive: a
 field NAME takes the member whose extension is NAME or starts with NAME and a
@@ -32,11 +34,13 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ..errors import ArchiveNotFoundError, CorruptSampleError, InvalidSourceError
 from ..fields import NAME, RESERVED, FieldSpec, FieldValueError
+from ..manifest import NO_LABEL
 from .base import Sample, SourceOptions, classes_and_labels, field_extension, is_junk
 from .tarfiles import DEFAULT_LABEL_KEY, TarBackedSource, TarListing, TarSamples, member_extension, screen_members
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 _BRACE = re.compile(r"\{([^{}]*)\}")
+NO_LABELS = "none"  # the label_key of shards declared to have no labels
 
 
 class WebDatasetSource(TarBackedSource):
@@ -51,6 +55,8 @@ class WebDatasetSource(TarBackedSource):
     @classmethod
     def matches(cls, listing: TarListing, options: SourceOptions) -> bool:
         label = (options.label_key or DEFAULT_LABEL_KEY).lower()
+        if label == NO_LABELS:  # declared: shards without label members
+            return True
         top = (name for s, name in enumerate(listing.names) if name and listing.outer[s] < 0)
         return len(listing.parts) > 1 or any(member_extension(name).lower() == label for name in top)
 
@@ -59,6 +65,7 @@ class WebDatasetSource(TarBackedSource):
         if options.subdir is not None:
             raise InvalidSourceError(path, "webdataset shards take no subdir option")
         label_ext = (options.label_key or DEFAULT_LABEL_KEY).lower()
+        labelled = label_ext != NO_LABELS
         preferred = _imagemember_extensions(options.image_key)
         failed = screen_members(path, listing, options)
         grouped = _samples_by_key(listing)
@@ -72,10 +79,10 @@ class WebDatasetSource(TarBackedSource):
             for key, found in members.items():
                 image_ext = next((e for e in preferred if e in found), None)
                 image = None if image_ext is None else found[image_ext]
-                label = found.get(label_ext)
+                label = found.get(label_ext) if labelled else -1
                 taken = (image_ext, label_ext)
                 chosen = {spec.name: _field_member(spec.name, found, taken) for spec in specs}
-                skipped += len(found) - (image is not None) - (label is not None) - sum(
+                skipped += len(found) - (image is not None) - (label is not None and labelled) - sum(
                     s is not None for s in chosen.values())
                 lacking = [name for name, s in chosen.items() if s is None]
                 if image is None or label is None or lacking:
@@ -84,7 +91,8 @@ class WebDatasetSource(TarBackedSource):
                         hint = "fix the shard, name the image extension with --image-key, or --on-error skip"
                     elif label is None:
                         problem = f"has no .{label_ext} label member"
-                        hint = "fix the shard, name the label extension with --label-key, or --on-error skip"
+                        hint = ("fix the shard, name the label extension with --label-key, or --on-error skip (a "
+                                "set whose images have no label at all is declared with --label-key none)")
                     else:
                         problem = f"has no member for field {lacking[0]!r} (.{lacking[0]} or .{lacking[0]}.*)"
                         hint = (f"add the member, leave out --field {lacking[0]}, or --on-error skip to leave such "
@@ -94,19 +102,19 @@ class WebDatasetSource(TarBackedSource):
                         raise error
                     failed.append(str(error))
                     continue
-                text = listing.contents.get(label, b"").decode("utf-8", "replace").strip()
+                text = listing.contents.get(label, b"").decode("utf-8", "replace").strip() if labelled else ""
                 seqs.append(image)
                 keys.append(listing.names[image])
                 values.append(text)
                 for name, s in chosen.items():
                     field_seqs[name].append(int(s or 0))  # a sample lacking one was left out above
-        classes, labels = classes_and_labels(path, values)
+        classes, labels = classes_and_labels(path, values) if labelled else ((), [NO_LABEL] * len(values))
         shards = f"{len(listing.parts)} shard{'s' if len(listing.parts) != 1 else ''}"
         compressed = ", compressed" if any(listing.compressed) else ""
         described = f", fields {', '.join(spec.describe() for spec in specs)}" if specs else ""
         source = cls(path, classes, keys, labels, TarSamples(listing, seqs), skipped, failed,
                      f"webdataset, {shards}{compressed}{described}")
-        source.fields = specs
+        source.fields, source.labelled = specs, labelled
         source.field_samples = {name: TarSamples(listing, s) for name, s in field_seqs.items()}
         if specs and any(listing.compressed):  # one ordered pass: each sample's image, then its fields' members
             names = [spec.name for spec in specs]

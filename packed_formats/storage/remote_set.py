@@ -340,7 +340,7 @@ def _sniff_head(url: str, head: bytes, size: int) -> str:
 
 
 _FIELD_DTYPES = {"labels": np.dtype(np.int64), "crc32": np.dtype(np.uint32), "counts": np.dtype(np.int64),
-                 "field_crc32": np.dtype(np.uint32)}
+                 "field_crc32": np.dtype(np.uint32), "widths": np.dtype(np.int32), "heights": np.dtype(np.int32)}
 REDOWNLOAD_HINT = "open the set again; if this persists, upload the set again (packed-formats upload)"
 
 
@@ -451,6 +451,8 @@ def _check_sample_arrays(url: str, arrays: Dict[str, np.ndarray], parts: List[Re
             raise refuse(name, "is missing")
     if "field_crc32" in arrays and not manifest.fields:
         raise refuse("field_crc32", "is there, but the set's manifest declares no field")
+    if ("widths" in arrays) != ("heights" in arrays):
+        raise refuse("heights" if "widths" in arrays else "widths", "is missing (the images' sizes come in pairs)")
     for name, array in arrays.items():
         ndim = 2 if name == "field_crc32" else 1
         if not isinstance(array, np.ndarray) or array.ndim != ndim:
@@ -471,9 +473,15 @@ def _check_sample_arrays(url: str, arrays: Dict[str, np.ndarray], parts: List[Re
     for part, count in zip(parts, counts):
         if part.count >= 0 and part.count != int(count):
             raise refuse("counts", f"says part {part.name} holds {int(count)} samples, the set's index {part.count}")
-    for name in ("keys", "crc32"):
+    for name in ("keys", "crc32", "widths", "heights"):
         if name in arrays and len(arrays[name]) != total:
             raise refuse(name, f"has {len(arrays[name])} entries for {total} samples")
+    if "widths" in arrays:  # each side from 1, or both 0 (unknown), as a part's own index (Reader) has them
+        w, h = arrays["widths"], arrays["heights"]
+        bad = np.flatnonzero((w < 0) | (h < 0) | ((w == 0) != (h == 0)))
+        if len(bad):
+            raise refuse("widths", f"gives sample {int(bad[0])} the size {int(w[bad[0]])} x {int(h[bad[0]])}, "
+                                   "which no image has")
     if manifest.count != total:
         raise refuse("labels", f"has {total} entries, the set's manifest says {manifest.count} samples")
 
@@ -671,8 +679,10 @@ class RemoteSetBackend(ShardedBackend):
             if getattr(mine, field) != getattr(theirs, field):
                 return (f"its manifest's {field} is {getattr(mine, field)!r}, the set's index says "
                         f"{getattr(theirs, field)!r}")
-        for name in ("labels", "keys", "crc32"):
+        for name in ("labels", "keys", "crc32", "widths", "heights"):
             own, listed = getattr(reader.index, name), getattr(self.index, name)
+            if listed is None and name in ("widths", "heights"):  # an older set's: its sizes are read
+                continue
             if (own is None) != (listed is None):
                 return (f"it has {'no' if own is None else ''} {name}, the set's sample index "
                         f"{'has' if own is None else 'has none'}").replace("  ", " ")
@@ -808,6 +818,14 @@ class RemoteSetReader(Reader):
         return cast("np.ndarray | List[bytes]", self._refetching(Reader.read_many, idx, out))
 
     @drops_frames
+    def read_many_stored(self, idx: Any, out: Optional[np.ndarray] = None) -> np.ndarray:
+        return cast(np.ndarray, self._refetching(Reader.read_many_stored, idx, out))
+
+    @drops_frames
+    def read_many_planar(self, idx: Any, out: np.ndarray) -> np.ndarray:
+        return cast(np.ndarray, self._refetching(Reader.read_many_planar, idx, out))
+
+    @drops_frames
     def read_field_bytes(self, i: int, name: str) -> bytes:
         return cast(bytes, self._refetching(Reader.read_field_bytes, i, name))
 
@@ -847,7 +865,8 @@ def _sample_index(arrays: Dict[str, np.ndarray], manifest: ArchiveManifest) -> S
     rows = arrays.get("field_crc32")
     fields = {} if rows is None else {field_array(spec.name, "crc32"): rows[k]
                                       for k, spec in enumerate(manifest.fields)}
-    return SampleIndex(labels=arrays["labels"], keys=arrays["keys"], crc32=arrays.get("crc32"), fields=fields)
+    return SampleIndex(labels=arrays["labels"], keys=arrays["keys"], crc32=arrays.get("crc32"), fields=fields,
+                       widths=arrays.get("widths"), heights=arrays.get("heights"))
 
 
 def _download(store: Store, part: RemotePart, temp: str) -> None:
@@ -941,6 +960,7 @@ def _index_by_fetching(url: str, part_format: str, parts: List[RemotePart], cach
                       "to index the set (upload it with packed_formats.storage.upload to write one)", stacklevel=4)
     folder = cache.namespace(url)
     readers, leases, labels, keys, crcs, counts, field_crcs = [], [], [], [], [], [], []
+    sizes: List[Optional[Tuple[np.ndarray, np.ndarray]]] = []
     try:
         for part in parts:
             path = confined(folder, entry_name(part.name, part.info.etag))
@@ -970,6 +990,8 @@ def _index_by_fetching(url: str, part_format: str, parts: List[RemotePart], cach
             keys.append(np.asarray(reader.index.keys))
             crcs.append(None if reader.index.crc32 is None else np.asarray(reader.index.crc32))
             field_crcs.append(reader.index.field_crc32s([f.name for f in reader.fields]))
+            widths, heights = reader.index.widths, reader.index.heights
+            sizes.append(None if widths is None or heights is None else (np.asarray(widths), np.asarray(heights)))
             counts.append(len(reader))
             if len(parts) > 1:  # let each go as soon as it is indexed: the cache may be smaller than the set
                 reader.close()
@@ -982,6 +1004,10 @@ def _index_by_fetching(url: str, part_format: str, parts: List[RemotePart], cach
                   "counts": np.asarray(counts, dtype=np.int64)}
         if all(c is not None for c in crcs):
             arrays["crc32"] = np.concatenate(crcs).astype(np.uint32, copy=False)  # type: ignore[arg-type]
+        if all(pair is not None for pair in sizes):
+            for k, name in enumerate(("widths", "heights")):
+                arrays[name] = np.concatenate([pair[k] for pair in sizes if pair is not None]).astype(np.int32,
+                                                                                                     copy=False)
         present = [rows for rows in field_crcs if rows is not None]
         if manifest.fields and len(present) == len(field_crcs):  # the parts agree on their fields
             arrays["field_crc32"] = np.stack([np.concatenate([np.asarray(rows[k]) for rows in present])

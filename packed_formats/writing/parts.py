@@ -120,7 +120,7 @@ class SourceRange(Source):
                          skipped=source.skipped, failed=source.failed if start == 0 else [], layout=source.layout)
         self.source, self.start = source, start
         self.random_access = source.random_access
-        self.fields = source.fields
+        self.fields, self.labelled = source.fields, source.labelled
 
     def load_fields(self, i: int) -> Dict[str, Any]:
         return self.source.load_fields(self.start + i)
@@ -237,18 +237,21 @@ def read_plan(dst: str) -> Optional[dict]:
 def _check_same(path: str, dst: str, existing: dict, plan: dict) -> None:
     ignored = ("tasks",)
     for field in sorted(set(existing) | set(plan), key=lambda f: (f == "location", f)):  # where, when all else agrees
-        if field not in ignored and existing.get(field) != plan.get(field):
+        was, now = existing.get(field, _LEFT_OUT.get(field)), plan.get(field, _LEFT_OUT.get(field))
+        if field not in ignored and was != now:
             raise CorruptArchiveError(
                 dst,
                 f"the set's parts are being written from another {_WHAT.get(field, field)}: "
-                f"{existing.get(field)!r} (in {os.path.basename(path)}), this conversion has {plan.get(field)!r}",
+                f"{was!r} (in {os.path.basename(path)}), this conversion has {now!r}",
                 hint=f"convert with the same source and options, or remove the set's parts and {state_dir(dst)} "
                      "to start it again",
             )
 
 
 _WHAT = {"source": "source listing", "location": "source location", "version": "library version",
-         "shard_size": "shard size", "resize_mode": "resize mode", "samples": "number of samples"}
+         "shard_size": "shard size", "resize_mode": "resize mode", "samples": "number of samples",
+         "raw_layout": "raw layout"}
+_LEFT_OUT = {"raw_layout": "hwc"}  # what a plan means by a key it leaves out
 
 
 def make_plan(source: Source, format: str, recipe: Any, on_error: str, shard_size: int,
@@ -263,6 +266,7 @@ def make_plan(source: Source, format: str, recipe: Any, on_error: str, shard_siz
         "slots": slot_count(len(source), shard_size), "tasks": tasks,
         **({"fields": [spec.describe() for spec in source.fields]} if source.fields else {}),
         **({"boxes": [list(pair) for pair in recipe.boxes]} if recipe.boxes else {}),
+        **({"raw_layout": recipe.raw_layout} if recipe.raw_layout != "hwc" else {}),  # an hwc plan as it was
     }
 
 

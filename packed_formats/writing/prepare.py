@@ -48,6 +48,7 @@ class Recipe:
     encoding: str = "jpeg"
     quality: int = 90
     boxes: Tuple[Tuple[str, str], ...] = ()  # (array field, its box format): boxes a resize moves with the image
+    raw_layout: str = "hwc"  # how a raw archive stores the pixels: interleaved ("hwc") or planar ("chw")
 
     def apply(self, stored: "bytes | np.ndarray") -> "bytes | np.ndarray":
         """The destination's sample (raises codecs.DecodeError for a bad image)."""
