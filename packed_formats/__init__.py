@@ -65,6 +65,7 @@ __all__ = [
     "DestinationError",
     "FormatMismatchError",
     "FormatSpec",
+    "GroupByAspectRatio",
     "IncompleteArchiveError",
     "InsufficientSpaceError",
     "InvalidSampleError",
@@ -106,6 +107,7 @@ __all__ = [
 # torch takes seconds to import: what needs it loads on first use, so that
 # `import packed_formats` and `packed-formats info/verify/convert` start quickly.
 _LAZY = {
+    "GroupByAspectRatio": ".loading.aspect_groups",
     "PackedDataset": ".loading.dataset",
     "Mixture": ".loading.mixture",
     "PackedLoader": ".loading.loader",

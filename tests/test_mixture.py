@@ -56,7 +56,8 @@ def pairs(batches) -> list:
 def drawn(loader, epoch: int, seed: int = 0) -> list:
     """The epoch's draw as (source, index) pairs, as the mixture defines it."""
     mixture = loader.mixture
-    return [tuple(p) for p in mixture.source_and_index(mixture.draw(epoch, seed)).tolist()]
+    order = mixture.draw(epoch, seed, loader.sampler.shuffle)
+    return [tuple(p) for p in mixture.source_and_index(order).tolist()]
 
 
 # ---- the draw -------------------------------------------------------------------------------------------
@@ -207,8 +208,11 @@ def test_sources_that_give_batches_of_other_kinds_are_refused_by_name(tmp_path, 
         pf.Mixture({sources[0]: 1}, samples_per_epoch=0)
     with pytest.raises(ValueError, match="classes"):
         pf.Mixture({sources[0]: 1}, classes="union")
-    with pytest.raises(ValueError, match="window"):
-        pf.make_loader(pf.Mixture({sources[0]: 1}), shuffle="window", num_workers=0)
+    with pytest.raises(ValueError, match="batches"):
+        pf.Mixture({sources[0]: 1}, batches="whole")
+    with pytest.raises(ValueError, match=r"shuffle='window'.*large\.zip.*with replacement"):  # no passes
+        pf.make_loader(pf.Mixture({sources[0]: 1, sources[1]: 1}, replacement={sources[0]: True}),
+                       shuffle="window", num_workers=0)
 
 
 def test_encoded_sources_of_other_formats_and_sizes_mix_at_one_size(tmp_path, sources):
@@ -349,3 +353,220 @@ def test_a_set_in_object_storage_mixes_with_a_local_archive(s3_env, tmp_path):
             assert np.array_equal(image.numpy(), expected) and label == int(readers[source].labels[i])
             seen.append(source)
     assert Counter(seen) == {0: 30, 1: 10}
+
+
+# ---- shuffle="window": each source's passes go window by window over its parts ------------------------------
+def sharded(path, source: int, count: int, per_part: int, shape=SHAPE) -> str:
+    """A raw ZIP set of parts of ``per_part`` samples whose pixels say which sample of ``source`` they are."""
+    from packed_formats.backends.sharded import ShardedWriter
+
+    with ShardedWriter(os.fspath(path), "zip", shard_size=per_part, mode="raw", shape=shape,
+                       classes=("cat", "dog")) as writer:
+        for i in range(count):
+            writer.add(pixels(source, i), i % 2, f"s{source}/{i}")
+    return os.fspath(path)
+
+
+@pytest.fixture(scope="module")
+def parted(tmp_path_factory):
+    """Two sets of parts: 24 samples in parts of 4, 12 in parts of 3."""
+    root = tmp_path_factory.mktemp("mixture-parts")
+    return sharded(root / "a.zip", 0, 24, 4), sharded(root / "b.zip", 1, 12, 3)
+
+
+def runs_of_parts(draws: list, per_part: int) -> list:
+    """The parts a source's draws read, one entry per run of draws from one part."""
+    parts = [i // per_part for i in draws]
+    return [p for k, p in enumerate(parts) if k == 0 or parts[k - 1] != p]
+
+
+def test_window_shuffle_reads_each_sources_parts_one_window_at_a_time(parted):
+    loader = pf.make_loader(pf.Mixture({parted[0]: 2, parted[1]: 1}), batch_size=4, num_workers=0, seed=5,
+                            shuffle="window", window=1, return_index=True)
+    seen = pairs(epoch(loader, epoch=1))
+    assert seen == drawn(loader, 1, seed=5)
+    for source, count, per_part in ((0, 24, 4), (1, 12, 3)):
+        draws = [i for s, i in seen if s == source]
+        assert sorted(draws) == list(range(count))  # the share is one pass: every sample once
+        runs = runs_of_parts(draws, per_part)
+        assert sorted(runs) == list(range(count // per_part))  # each part read whole, in one run
+        assert draws != sorted(draws) and runs != sorted(runs)  # its parts shuffled, and the samples in each
+    sources = [s for s, _ in seen]
+    assert sources != sorted(sources)  # the sources interleaved at random, as with shuffle=True
+    loader.set_epoch(2)
+    assert pairs(epoch(loader)) != seen  # and a new epoch is another pass
+
+
+def test_window_shuffle_of_two_parts_mixes_their_samples_and_continues_a_source_across_epochs(parted):
+    mixture = pf.Mixture({parted[0]: 1, parted[1]: 1}, samples_per_epoch=24)  # a: 12 an epoch, half a pass
+    loader = pf.make_loader(mixture, batch_size=4, num_workers=0, shuffle="window", window=2, return_index=True)
+    first, second = ([i for s, i in pairs(epoch(loader, epoch=e)) if s == 0] for e in (0, 1))
+    assert sorted(first + second) == list(range(24))  # the pass goes on in the next epoch
+    windows = [{i // 4 for i in first[w : w + 8]} for w in (0, 8)]
+    assert all(len(w) == 2 for w in windows[:1])  # a window's 8 samples: two parts' together
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_window_shuffle_resumes_exactly_and_splits_over_ranks(parted, world):
+    mixture = pf.Mixture({parted[0]: 2, parted[1]: 1})
+    options = dict(shuffle="window", window=1, seed=1)
+    whole = [make(mixture, rank=r, world_size=world, **options) for r in range(world)]
+    expected = [[(y, i) for _, y, i in epoch(loader, epoch=1)] for loader in whole]
+    assert Counter(p for e in expected for _, i in e for p in map(tuple, i.tolist())) == Counter(
+        drawn(whole[0], 1, seed=1))
+    interrupted = make(mixture, rank=0, world_size=world, **options)
+    interrupted.set_epoch(1)
+    for k, _ in enumerate(interrupted):
+        if k == 1:
+            break
+    resumed = make(pf.Mixture({parted[0]: 2, parted[1]: 1}), rank=0, world_size=world, **options)
+    resumed.load_state_dict(json.loads(json.dumps(interrupted.state_dict())))
+    rest = [(y, i) for _, y, i in resumed]
+    assert len(rest) == len(expected[0]) - 2
+    assert all(torch.equal(i, ei) and torch.equal(y, ey) for (y, i), (ey, ei) in zip(rest, expected[0][2:]))
+    with pytest.raises(ValueError, match="window"):  # a state of another window is refused
+        make(mixture, shuffle="window", window=2, seed=1).load_state_dict(interrupted.state_dict())
+
+
+# ---- batches="per-source": each batch wholly from one source ------------------------------------------------
+def sources_of_batches(batches) -> list:
+    """Each batch's source (asserting that it has one)."""
+    found = []
+    for _, _, index in batches:
+        assert len(set(index[:, 0].tolist())) == 1, index
+        found.append(int(index[0, 0]))
+    return found
+
+
+def test_per_source_batches_each_come_from_one_source_dealt_by_the_weights(sources):
+    mixture = pf.Mixture({sources[0]: 3, sources[1]: 1}, samples_per_epoch=200, batches="per-source")
+    loader = make(mixture, seed=2)
+    assert len(loader) == 50
+    batches = epoch(loader, epoch=0)
+    assert Counter(sources_of_batches(batches)) == {0: 38, 1: 12}  # 50 batches dealt 3:1, rounded
+    assert pairs(batches) == drawn(loader, 0, seed=2)
+    for x, _, index in batches:  # the pixels are each source's samples
+        assert torch.equal(x[:, 0, 0, 0], index[:, 0].to(torch.uint8))
+        assert torch.equal(x[:, 1, 0, 0], (index[:, 1] % 256).to(torch.uint8))
+    small = [i for s, i in pairs(batches) if s == 1]
+    assert len(small) == 48 and sorted(small[:40]) == sorted(list(range(10)) * 4)  # whole passes, shuffled
+    assert sorted(small[:10]) == list(range(10)) and small[:10] != list(range(10))
+    order = sources_of_batches(batches)
+    assert order != sorted(order)  # the batches' sources drawn at random
+    again = make(pf.Mixture({sources[0]: 3, sources[1]: 1}, samples_per_epoch=200, batches="per-source"), seed=2)
+    assert pairs(epoch(again, epoch=0)) == pairs(batches)  # deterministic
+    assert pairs(epoch(again, epoch=1)) != pairs(batches)
+
+
+def test_per_source_batches_mix_raw_sources_of_other_shapes_without_size(tmp_path, sources):
+    wide = write(tmp_path / "wide.zip", "zip", 2, 8, ("owl",), shape=(8, 16, 3))
+    grey = write(tmp_path / "grey.lmdb", "lmdb", 3, 8, ("owl",), shape=(6, 4, 1))
+    mixture = pf.Mixture({sources[0]: 1, wide: 1, grey: 1}, samples_per_epoch=36, batches="per-source")
+    shapes = {}
+    for x, y, index in epoch(make(mixture)):
+        source = sources_of_batches([(x, y, index)])[0]
+        shapes.setdefault(source, set()).add(tuple(x.shape[1:]))
+    assert shapes == {0: {(3, 8, 8)}, 1: {(3, 8, 16)}, 2: {(1, 6, 4)}}
+    dataset = pf.PackedDataset(mixture, output="numpy")  # samples one by one, each of its source's shape
+    assert dataset[len(dataset) - 1][0].shape == (6, 4, 1) and dataset[40][0].shape == (8, 16, 3)
+    with pytest.raises(pf.MixtureError, match=r"wide\.zip.*one shape.*per-source"):
+        make(pf.Mixture({sources[0]: 1, wide: 1}))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_per_source_batches_split_over_ranks_by_batch_and_resume_on_another_number(sources, world):
+    mixture = pf.Mixture({sources[0]: 1, sources[1]: 1}, samples_per_epoch=40, batches="per-source")
+    shares = [epoch(make(mixture, rank=r, world_size=world), epoch=1) for r in range(world)]
+    assert len({len(s) for s in shares}) == 1
+    for share in shares:
+        sources_of_batches(share)
+    draw = Counter(drawn(make(mixture), 1))
+    seen = Counter(p for s in shares for p in pairs(s))
+    assert not draw - seen and sum((seen - draw).values()) <= 4 * (world - 1)  # padded with whole batches
+    before = [make(mixture, rank=r, world_size=world) for r in range(world)]
+    done = []
+    for loader in before:
+        for k, batch in enumerate(loader):
+            done += pairs([batch])
+            if k == 0:
+                break
+    after = [make(mixture, rank=r, world_size=5 - world) for r in range(5 - world)]
+    rest = []
+    for loader in after:
+        loader.load_state_dict(before[0].state_dict())
+        got = epoch(loader)
+        sources_of_batches(got)
+        rest += pairs(got)
+    seen = Counter(done + rest)
+    draw = Counter(drawn(after[0], 0))
+    assert not draw - seen and sum((seen - draw).values()) <= 4 * 2
+
+
+def test_a_state_of_mixed_batches_is_refused_by_a_per_source_mixture(sources):
+    state = make(pf.Mixture({sources[0]: 1, sources[1]: 1}, samples_per_epoch=48)).state_dict()
+    with pytest.raises(ValueError, match="another draw"):  # as many samples, dealt otherwise
+        make(pf.Mixture({sources[0]: 1, sources[1]: 1}, samples_per_epoch=48, batches="per-source")
+             ).load_state_dict(state)
+
+
+@pytest.mark.slow
+def test_per_source_batches_of_other_shapes_through_workers_are_the_ones_without(tmp_path, sources):
+    wide = write(tmp_path / "wide.zip", "zip", 2, 8, ("owl",), shape=(8, 16, 3))
+    mixture = pf.Mixture({sources[0]: 1, wide: 1}, samples_per_epoch=32, batches="per-source")
+    expected = epoch(make(mixture), epoch=1)
+    got = epoch(pf.make_loader(mixture, batch_size=4, num_workers=2, return_index=True), epoch=1)
+    assert len(got) == len(expected)
+    for (x, y, i), (ex, ey, ei) in zip(got, expected):
+        assert torch.equal(x, ex) and torch.equal(y, ey) and torch.equal(i, ei)
+
+
+# ---- sources in object storage, window shuffle through a small cache -------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [0, 2])
+def test_remote_sources_with_window_shuffle_fetch_each_part_about_once_through_a_small_cache(
+        workers, s3_env, s3_proxy, tmp_path, monkeypatch):
+    pytest.importorskip("s3fs")
+    from packed_formats import storage
+
+    bucket = s3_env.bucket()
+    local = [sharded(tmp_path / "a.zip", 0, 48, 4), sharded(tmp_path / "b.zip", 1, 24, 4)]  # 12 and 6 parts
+    urls = [f"s3://{bucket}/a.zip", f"s3://{bucket}/b.zip"]
+    for path, url in zip(local, urls):
+        storage.upload(path, url)
+    readers = [pf.open_archive(path) for path in local]
+    set_bytes = sum(os.path.getsize(p.path) for r in readers for p in r.backend.parts)
+    proxy = s3_proxy(rate=0.0)
+    proxy.use_env(monkeypatch)
+    loader = pf.make_loader(pf.Mixture({urls[0]: 2, urls[1]: 1}), batch_size=4, num_workers=workers, shuffle="window",
+                            window=1, cache_dir=tmp_path / "cache", cache_limit=set_bytes // (4 if workers == 0 else 2),
+                            return_index=True)
+    assert loader.sampler.prefetcher is not None
+    proxy.reset_stats()
+    seen = []
+    for x, y, index in loader:
+        for image, label, (source, i) in zip(x, y.tolist(), index.tolist()):
+            assert np.array_equal(image.numpy(), readers[source].read(i).transpose(2, 0, 1))
+            assert label == int(readers[source].labels[i])
+            seen.append((source, i))
+    assert Counter(s for s, _ in seen) == {0: 48, 1: 24}  # the shares, as weighted: one pass of each
+    assert sorted(seen) == [(0, i) for i in range(48)] + [(1, i) for i in range(24)]
+    served = sum(v["bytes"] for k, v in proxy.stats()["keys"].items() if "-0" in k.rsplit("/", 1)[-1])
+    # one process reads each source's window and one: each part once.  Two workers each hold up to a window
+    # and one of every source besides the parts fetched ahead, so a part or two may go before its last read
+    # (as with one set at a quarter): a cache of half the sets then fetches them about once
+    assert served <= (1.05 if workers == 0 else 1.25) * set_bytes, (served, set_bytes)
+    for reader in readers:
+        reader.close()
+
+
+def test_a_window_state_is_refused_by_the_same_sources_cut_into_other_parts(parted, tmp_path):
+    options = dict(shuffle="window", window=1)
+    interrupted = make(pf.Mixture({parted[0]: 2, parted[1]: 1}), **options)
+    next(iter(interrupted))
+    state = interrupted.state_dict()
+    os.makedirs(tmp_path / "recut")
+    recut = sharded(tmp_path / "recut" / "a.zip", 0, 24, 6), sharded(tmp_path / "recut" / "b.zip", 1, 12, 3)
+    with pytest.raises(ValueError, match="another draw"):  # the same samples, in windows of other parts
+        make(pf.Mixture({recut[0]: 2, recut[1]: 1}), **options).load_state_dict(state)
+    same = sharded(tmp_path / "a.zip", 0, 24, 4), sharded(tmp_path / "b.zip", 1, 12, 3)
+    make(pf.Mixture({same[0]: 2, same[1]: 1}), **options).load_state_dict(state)  # a copy cut alike: taken

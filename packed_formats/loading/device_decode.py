@@ -314,16 +314,28 @@ def restored(state: torch.Tensor) -> Optional[torch.Generator]:
     return generator
 
 
-def mixed_sizes(reader: Reader, i: int, size: Sequence[int], batch_size: Sequence[int]) -> PackedFormatError:
-    """The error for sample i, of (height, width) ``size``, in a batch of images of ``batch_size``."""
+def mixed_sizes(reader: Reader, i: int, size: Sequence[int], batch_size: Sequence[int],
+                fields: bool = False) -> PackedFormatError:
+    """The error for sample i, of (height, width) ``size``, in a batch of images of ``batch_size``
+    (``fields``: of a loader with fields, whose transform is a torchvision v2 one: ``one_size_hint``)."""
     return PackedFormatError(
         reader.path,
         f"image is {size[0]}x{size[1]}, other images of the batch are {batch_size[0]}x{batch_size[1]}",
         index=i,
         key=reader.key(i),
-        hint="images of different sizes need make_loader(..., size=(height, width)) or a transform "
-        "that starts with a crop (pf.transforms.train or val)",
+        hint=one_size_hint(fields),
     )
+
+
+def one_size_hint(fields: bool) -> str:
+    """What gives a batch of images of one size, or lists of images each of its own size: the ways that fit
+    a loader with fields (a torchvision v2 transform of each sample's dict) or one without."""
+    crop = ("a torchvision v2 transform that starts with RandomResizedCrop (cut while decoding) or ends at one "
+            "size (Resize + CenterCrop)" if fields else
+            "a transform that starts with a crop (pf.transforms.train or val, cut while decoding), or a "
+            "per-image torchvision transform that ends at one size")
+    return (f"resize every image at decode with make_loader(..., size=(height, width)), use {crop}, or pass "
+            "size='own' for batches of images each of its own size (as lists)")
 
 
 def decoder_error() -> Optional[str]:

@@ -18,7 +18,7 @@ it.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, cast
 
 import numpy as np
 import torch
@@ -26,6 +26,7 @@ import torch
 from .. import codecs, policy
 from ..backends.reader import Reader
 from ..fields import FieldSpec, move_boxes
+from .image_lists import join, split
 from .sample_fields import (
     check_image_size,
     check_mask_shape,
@@ -110,10 +111,11 @@ class BatchFields:
                 out[name] = value
         return out
 
-    def pack(self, samples: List[Dict[str, Any]]) -> Dict[str, Any]:
+    def pack(self, samples: List[Dict[str, Any]], own_sizes: bool = False) -> Dict[str, Any]:
         """The batch's fields as few tensors (what a worker sends): {name: ("stack", tensor) | ("rows",
-        joined rows, row counts) | ("list", values)}.  ValueError naming the field when fixed-shape values
-        differ in shape (a mask not cut to the image's size)."""
+        joined rows, row counts) | ("each", joined values, their shapes) | ("list", values)}; ``own_sizes``:
+        the images keep their own sizes, and so masks and second views (``image_lists.join``).  ValueError
+        naming the field when fixed-shape values differ in shape (a mask not cut to the image's size)."""
         packed: Dict[str, Any] = {}
         for name, spec in self.specs.items():
             values = [sample[name] for sample in samples]
@@ -122,6 +124,9 @@ class BatchFields:
                 continue
             arrays = [v.as_subclass(torch.Tensor) if isinstance(v, torch.Tensor) else torch.from_numpy(
                 np.ascontiguousarray(v)) for v in values]
+            if own_sizes and (self.roles[name] in ("mask", "image") or spec.kind == "image"):
+                packed[name] = ("each", *join(arrays))
+                continue
             if name in self.lists:
                 counts = torch.tensor([len(a) for a in arrays], dtype=torch.int64)
                 tail = tuple(arrays[0].shape[1:]) if arrays else tuple(int(d or 0) for d in (spec.shape or ())[1:])
@@ -135,23 +140,28 @@ class BatchFields:
             packed[name] = ("stack", torch.stack(arrays) if arrays else torch.empty(0))
         return packed
 
-    def unpack(self, packed: Mapping[str, Any], canvas: Tuple[int, int],
+    def unpack(self, packed: Mapping[str, Any], canvas: "Tuple[int, int] | Sequence[Tuple[int, int]]",
                device: Optional[torch.device] = None) -> Dict[str, Any]:
         """``pack``'s tensors as the batch's entries, on ``device`` (None: where they are): stacked tensors
-        (a ``Mask`` or ``Image`` batch for those roles), lists of each sample's rows (``BoundingBoxes`` on
-        ``canvas`` for boxes), lists of text and JSON values."""
+        (a ``Mask`` or ``Image`` batch for those roles), lists of each sample's tensor (``BoundingBoxes`` on
+        ``canvas`` for boxes: the batch's (height, width), or each image's), lists of text and JSON values."""
         out: Dict[str, Any] = {}
         for name, item in packed.items():
             kind, role = item[0], self.roles[name]
             if kind == "list":
                 out[name] = list(item[1])
+            elif kind == "each":
+                out[name] = [_as_role(value, role) for value in split(item[1], item[2], device)]
             elif kind == "rows":
                 rows = list(torch.split(item[1].to(device), item[2].tolist()))
                 if role.startswith("boxes"):
                     from torchvision import tv_tensors
 
                     fmt = role.split(":", 1)[1].upper()
-                    rows = [tv_tensors.BoundingBoxes(r, format=fmt, canvas_size=canvas) for r in rows]
+                    canvases = cast(Sequence[Tuple[int, int]],
+                                    [canvas] * len(rows) if isinstance(canvas[0], int) else canvas)
+                    rows = [tv_tensors.BoundingBoxes(r, format=fmt, canvas_size=(int(c[0]), int(c[1])))
+                            for r, c in zip(rows, canvases)]
                 out[name] = rows
             else:
                 out[name] = _as_role(item[1].to(device), role)
@@ -204,18 +214,20 @@ def cut_boxes(boxes: np.ndarray, fmt: str, where: Optional[Where]) -> np.ndarray
     return move_boxes(boxes, fmt, where[0], where[2])
 
 
-def apply_per_sample(transform: Callable, fields: BatchFields, images: torch.Tensor, labels: torch.Tensor,
-                     values: List[Dict[str, Any]]) -> Tuple[torch.Tensor, List[Dict[str, Any]]]:
+def apply_per_sample(transform: Callable, fields: BatchFields, images: "torch.Tensor | Sequence[torch.Tensor]",
+                     labels: torch.Tensor, values: List[Dict[str, Any]], stack: bool = True
+                     ) -> Tuple[Any, List[Dict[str, Any]]]:
     """A v2 transform given each sample as a dict (``image`` a ``tv_tensors.Image``, ``label``, the fields
-    as tv_tensors), so that it moves masks and boxes with the image: (the images stacked, each sample's
-    fields as the transform returned them).  ValueError naming ``image`` when the transformed images
-    differ in size."""
+    as tv_tensors, boxes on the image's own canvas), so that it moves masks and boxes with the image: (the
+    images stacked, or their list when not ``stack``; each sample's fields as the transform returned them).
+    ``images``: a batch, or a list of [C,H,W] images of different sizes.  ValueError naming each image's
+    shape when the transformed images are to be stacked but differ in size."""
     from torchvision import tv_tensors
 
     out_images: List[torch.Tensor] = []
     out_values: List[Dict[str, Any]] = []
-    canvas = (int(images.shape[-2]), int(images.shape[-1]))
     for j, sample_values in enumerate(values):
+        canvas = (int(images[j].shape[-2]), int(images[j].shape[-1]))
         sample = {"image": tv_tensors.Image(images[j]), "label": int(labels[j]),
                   **fields.as_tv_tensors(sample_values, canvas)}
         wide = [name for name, value in sample.items() if isinstance(value, tv_tensors.Mask)
@@ -230,10 +242,10 @@ def apply_per_sample(transform: Callable, fields: BatchFields, images: torch.Ten
         out_values.append({name: result[name] for name in fields.roles})
         for name in wide:
             out_values[-1][name] = tv_tensors.Mask(result[name].as_subclass(torch.Tensor).to(torch.uint16))
-    shapes = sorted({tuple(image.shape) for image in out_images})
-    if len(shapes) > 1:
-        raise ValueError(f"the transformed images have shapes {shapes}: with fields, the transform must give "
-                         "every image one size (a crop or resize to a fixed size)")
+    if not stack:
+        return out_images, out_values
+    if len({tuple(image.shape) for image in out_images}) > 1:
+        raise ValueError(f"the transformed images have shapes {[list(image.shape) for image in out_images]}")
     return (torch.stack(out_images) if out_images else images), out_values
 
 

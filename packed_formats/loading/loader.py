@@ -25,6 +25,7 @@ from .. import storage
 from ..archives import open_archive
 from ..backends.reader import Reader
 from ..backends.sharded import given_max_open_parts
+from ..checksum import array_crc32
 from ..errors import DataLoaderWorkerError, PackedFormatError
 from ..memory import SlotPool
 from ..policy import (
@@ -41,11 +42,15 @@ from ..policy import (
 from ..tracebacks import release_frames
 from ..transforms import apply_transform, batchwise, with_memory_format
 from ..transforms.at_decode import split_at_decode
+from ..transforms.labels import takes_labels
+from ..transforms.ops import is_batch_transform
 from . import slots, temp_dir
+from .aspect_groups import GroupByAspectRatio
 from .dataset import PackedDataset
 from .device import CudaPrefetcher, copy_then_transform, resolve_device
 from .device_decode import DeviceDecoder, check_decoder
 from .field_batches import BatchFields, refuse_batch_transforms
+from .image_lists import OWN, split
 from .mixture import Mixture, MixtureBackend, check_source, mixture_of
 from .resume import (
     STATE_VERSION,
@@ -63,11 +68,13 @@ from .sampling import (
     EpochPosition,
     Shuffle,
     WorkerInit,
+    batch_count,
     batch_generator,
     batch_seed,
     check_shuffle,
     rank_and_world_size,
     shard_indices,
+    share_length,
 )
 from .slots import BatchSlots
 from .worker import BatchReader, FailedBatch
@@ -256,8 +263,9 @@ class PackedLoader:
             # in flight when they stopped) neither block nor mislead them
             self.batch_reader.pool = SlotPool(self.dataloader.num_workers, min_bytes=pool.min_bytes)
         numbers: List[int] = []  # the place in this rank's share of each batch handed on
-        # the sample indices of the batches not yet handed out, and their fields (``BatchFields.pack``) or None
-        indices: Deque[Tuple[torch.Tensor, Any]] = deque()
+        # the sample indices of the batches not yet handed out, their fields (``BatchFields.pack``) or None,
+        # and with size="own" their images' shapes (``image_lists``)
+        indices: Deque[Tuple[Any, ...]] = deque()
         workers = iter(self.dataloader)
         if isinstance(self.batch_reader.pool, BatchSlots):
             self._pass_slots[workers] = self.batch_reader.pool
@@ -326,7 +334,7 @@ class PackedLoader:
         return self._pass
 
     def _host_batches(self, batches: Iterator, first: int, numbers: List[int],
-                      indices: Deque[Tuple[torch.Tensor, Any]]) -> Iterator[Batch]:
+                      indices: Deque[Tuple[Any, ...]]) -> Iterator[Batch]:
         try:
             for number, item in enumerate(_naming_dead_workers(batches, self.reader.path), first):
                 if isinstance(item, FailedBatch):
@@ -342,29 +350,33 @@ class PackedLoader:
                     self._warn(skipped)
                 if len(labels):
                     numbers.append(number)
-                    indices.append((index, fields[0] if fields else None))
+                    indices.append((index, *(fields or [None])))
                     yield images, labels
                 del images, labels, index  # a batch the caller dropped gives its slot back at once
         finally:
             self._pass_left(batches)
 
     def _handed_out(self, batches: Iterator[Batch], position: EpochPosition, numbers: List[int],
-                    indices: Deque[Tuple[torch.Tensor, Any]]) -> Iterator[Any]:
+                    indices: Deque[Tuple[Any, ...]]) -> Iterator[Any]:
         """``batches``, counting in ``position`` those handed to the caller (not those merely prefetched),
-        with their samples' indices (on the CPU) when ``return_index``.
+        with their samples' indices (on the CPU) when ``return_index``; with size="own", the images as a
+        list of views of the joined tensor they came in (``image_lists``).
 
         A pass left early (a ``break``) keeps its count: its state is the rest of its epoch.
         """
         fields = self.batch_reader.fields
         for k, batch in enumerate(batches):
             position.done = numbers[k] + 1  # batches left empty by skipped samples count as done
-            index, packed = indices.popleft()  # batches come out in the order they went in, prefetched or not
+            index, packed, *shapes = indices.popleft()  # batches come out in the order they went in, prefetched or not
             if self.mixture is not None:  # (source, index in it) of each sample
                 index = torch.from_numpy(self.mixture.source_and_index(index.numpy()))
+            out: Tuple[Any, ...] = batch
+            if shapes:  # size="own": the images as the list of their views
+                out = (split(batch[0], shapes[0]), *batch[1:])
             if fields is not None:
-                yield self._as_dict(fields, batch, packed, index)
+                yield self._as_dict(fields, out, packed, index)
             else:
-                yield (*batch, index) if self.return_index else batch
+                yield (*out, index) if self.return_index else out
         position.done = self.sampler.split_batches(position.start)
 
     def _as_dict(self, fields: BatchFields, batch: Tuple[torch.Tensor, ...], packed: Any,
@@ -373,7 +385,11 @@ class PackedLoader:
         batch's device; see ``field_batches``), and ``index`` when ``return_index``."""
         images, labels = batch[0], batch[1]
         out: Dict[str, Any] = {"image": images, "label": labels}
-        out.update(fields.unpack(packed, (int(images.shape[-2]), int(images.shape[-1])), images.device))
+        if isinstance(images, list):  # size="own": each image's own canvas
+            canvases = [(int(image.shape[-2]), int(image.shape[-1])) for image in images]
+            out.update(fields.unpack(packed, canvases, labels.device))
+        else:
+            out.update(fields.unpack(packed, (int(images.shape[-2]), int(images.shape[-1])), images.device))
         if self.return_index:
             out["index"] = index
         return out
@@ -433,7 +449,16 @@ class PackedLoader:
         self._find_rank()
         n, world = self.sampler.n, self.sampler.world_size
         spec = StateSpec(self.KIND, "batches", self._settings(), self.batch_size, world, self._archive())
-        position = read_state(state, spec).moved_to(world, n, self.batch_size)
+        saved = read_state(state, spec)
+        started = 0 < saved.done < batch_count(share_length(n - saved.start, saved.world_size, self.drop_last),
+                                               self.batch_size, self.drop_last)
+        if isinstance(self.sampler.shuffle, GroupByAspectRatio) and saved.world_size != world and started:
+            raise ValueError(
+                f"cannot resume: the state was saved on {saved.world_size} rank(s), this loader runs on {world}; "
+                f"with shuffle={self.sampler.shuffle!r} the batches done are not the first positions of each "
+                "rank's share, so the rest of the epoch cannot be split anew (resume on as many ranks, or start "
+                "the epoch over)")
+        position = saved.moved_to(world, n, self.batch_size)
         if position.done >= self.sampler.split_batches(position.start):
             position = EpochPosition(position.epoch + 1, world_size=world)
         self._resume, self._pass, self._next_epoch = position, None, position.epoch
@@ -449,7 +474,10 @@ class PackedLoader:
 
     def _settings(self) -> Dict[str, Any]:
         s = self.sampler
-        return {"samples": s.n, "batch_size": s.batch_size, "shuffle": s.shuffle,
+        grouped = isinstance(s.shuffle, GroupByAspectRatio)  # a shuffled order, cut into batches bin by bin
+        return {"samples": s.n, "batch_size": s.batch_size, "shuffle": True if grouped else s.shuffle,
+                "aspect_groups": s.shuffle.k if isinstance(s.shuffle, GroupByAspectRatio) else None,
+                "groups_crc32": None if s.groups is None else array_crc32(s.groups),
                 **window_settings(s.shuffle, s.window, s.starts), "seed": s.seed, "drop_last": s.drop_last,
                 "mixture_crc32": None if self.mixture is None else self.mixture.mixture_crc32}
 
@@ -505,6 +533,10 @@ def make_loader(
             parts together, window after window (``sampling.window_order``), so each part is
             read in one window of the epoch and a cache of ``window`` parts fetches it once
             an epoch.  An archive of one part, or ``window`` >= its parts, is shuffled whole.
+            shuffle=pf.GroupByAspectRatio(k=3): shuffled, each batch of one aspect-ratio bin
+            (torchvision's ``GroupedBatchSampler``: bin edges ``2 ** linspace(-1, 1, 2k + 1)`` of
+            width / height; the samples left in part-filled bins at the end of an epoch batched
+            together; see ``GroupByAspectRatio``).  Not for a ``Mixture``.
         window: parts whose samples shuffle="window" mixes (default 8); batches mix
             fewer parts with a smaller one, so keep it as large as the cache allows.
         num_workers: worker processes, each reading whole batches (0: read in this process).
@@ -534,8 +566,15 @@ def make_loader(
         size: (height, width) every encoded image is resized to at decode (bilinear with
             antialiasing; JPEGs are first decoded at a reduced DCT scale when that still
             covers what the resize keeps, which is much cheaper); needed when an encoded
-            archive's images differ in size, unless the transform starts with a crop (above).
-            Raw archives keep their stored shape (use a transform).
+            archive's images differ in size, unless the transform starts with a crop (above) or
+            is one of each image (a torchvision transform; with fields, a v2 transform of each
+            sample's dict) that ends at one size: that one then runs in the workers on each image
+            at its own size.  Raw archives keep their stored shape (use a transform).
+            size="own": each image keeps the size it has after the transform (detection's
+            batches): images, masks and second views come as lists of [C,H_i,W_i] tensors,
+            boxes on each image's own canvas (``(images, labels)`` without fields, ``images``
+            a list).  The transform then runs in the workers on each image (with fields, each
+            sample's dict of tv_tensors); batch transforms and ``decode="device"`` are refused.
         resize_mode: "stretch" (the default: the aspect ratio is not kept) or
             "shorter-side-center-crop" (scaled until the shorter side fits, then the centre
             cut out: what ``packed-formats convert --resize-mode`` does for raw archives).
@@ -607,14 +646,25 @@ def make_loader(
         temp_dir.check()  # the workers pass their batch slots' descriptors through a socket under $TMPDIR
     if not isinstance(registered_slots, bool):
         raise ValueError(f"registered_slots must be True or False, got {registered_slots!r}")
+    if isinstance(size, str):
+        _check_own(size, transform, decode, memory_format)
     if memory_format == torch.channels_last and fields is None:  # the final normalisation writes it: no second
         transform = with_memory_format(transform, memory_format)  # float copy
     asked = torch.device(device)
     device = resolve_device(asked)  # ValueError now when CUDA is asked for and absent
     reader = _open_reader(source, format, verify, cache_dir=cache_dir, cache_limit=cache_limit,
                           storage_options=storage_options)
-    decode_size = _check_size(reader, size)
+    own = isinstance(size, str) and size == OWN
+    decode_size = None if own else _check_size(reader, size)
     mixture = mixture_of(reader)
+    groups = None
+    if isinstance(shuffle, GroupByAspectRatio):
+        if mixture is not None:
+            raise ValueError(f"shuffle={shuffle!r} does not apply to a Mixture: each epoch is a draw from its "
+                             "sources (use shuffle=True)")
+        groups = shuffle.groups(shuffle.sizes_of(reader, on_error == "skip"))
+    if mixture is not None:
+        mixture.plan(batch_size, shuffle, window)  # whole batches per source, windows of parts: the draw's
     if mixture is not None and fields is not None:
         mixture.check_fields(fields)
     batch_fields = _batch_fields(reader, fields, transform, decode)
@@ -624,25 +674,29 @@ def make_loader(
     if placement is not None and not 0 <= placement[0] < placement[1]:
         raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
     rank, world = placement or (0, 1)  # torch.distributed's is taken when an epoch starts: PackedLoader._find_rank
-    send = "batches" if batch_fields is not None else _what_workers_send(reader, decode, device, transform, decode_size)
+    # the workers make the batches whole with fields, lists of images, or a per-image transform of
+    # encoded images of any sizes, for any device
+    whole = batch_fields is not None or own or _per_image_at_any_size(reader, decode_size, decode, transform)
+    send = "batches" if whole else _what_workers_send(reader, decode, device, transform, decode_size)
     if send == "bytes":
         check_decoder()
-    # whether the workers make the batches whole (with fields they do, for any device)
-    on_cpu = (device.type == "cpu" or batch_fields is not None) and send == "batches"
+    on_cpu = (device.type == "cpu" or whole) and send == "batches"
     sampler = BatchSampler(len(reader) if mixture is None else mixture.draw.samples, batch_size, shuffle, drop_last,
                            seed, rank, world, window=window, starts=reader.part_starts,
-                           draw=None if mixture is None else mixture.draw)
+                           draw=None if mixture is None else mixture.draw, groups=groups)
     if isinstance(reader.backend, storage.RemoteSetBackend):
         if shuffle == "window" and given_max_open_parts(reader) is None:  # a batch reads up to a window and one
             reader.backend.limit_open_parts(window + 1)  # parts: closing one mid-batch only to open it again
         sampler.prefetcher = storage.Prefetcher(reader.backend, lag=max(1, 2 * num_workers))  # prefetch_factor 2
         storage.warn_if_cache_thrashes(reader.backend, shuffle, window, batch_size)
+    elif mixture is not None:  # its sources in object storage: their parts fetched ahead, across sources
+        sampler.prefetcher = mixture.prefetcher(shuffle, window, batch_size, lag=max(1, 2 * num_workers))
     batch_reader = BatchReader(
         reader, size=decode_size, resize_mode=resize_mode, transform=transform if on_cpu or send != "batches" else None,
         on_error=on_error, seed=seed, rank=rank, pin=device.type == "cuda" and num_workers == 0,
         pool=_worker_slots(num_workers, device, registered_slots, reader.path),
-        memory_format=memory_format if on_cpu else None,  # another device converts the batch there, cheaply
-        send=send, fields=batch_fields,
+        memory_format=memory_format if on_cpu and not own else None,  # another device converts the batch there
+        send=send, fields=batch_fields, own_sizes=own,
     )
     rest = transform  # what runs on the device: all of it, or what follows a crop the workers draw
     if send != "batches" and batch_reader.at_decode is not None:
@@ -676,6 +730,33 @@ def _batch_fields(reader: Reader, fields: "Sequence[str] | Mapping[str, str] | N
     split = split_at_decode(transform) if reader.mode != "raw" else None
     refuse_batch_transforms(transform if split is None else split[1])
     return BatchFields(reader.fields, fields)
+
+
+def _check_own(size: str, transform: Optional[Callable], decode: str, memory_format: torch.memory_format) -> None:
+    """ValueError for what size="own" (lists of images each of its own size) does not take."""
+    if size != OWN:
+        raise ValueError(f"size must be an int, (height, width), or 'own' (each image keeps its own size), "
+                         f"got {size!r}")
+    if decode == "device":
+        raise ValueError("size='own' decodes and transforms each image in the workers: decode='device' does not "
+                         "take it")
+    if memory_format != torch.contiguous_format:
+        raise ValueError("size='own' gives each image as a contiguous [C,H,W] tensor: memory_format does not apply")
+    if transform is not None and (is_batch_transform(transform) or takes_labels(transform)):
+        raise ValueError(
+            f"size='own' gives images of different sizes, which no batch transform takes: "
+            f"{type(transform).__name__} takes whole batches. Give a transform of one image (a torchvision v2 "
+            "transform; with fields, of each sample's dict)")
+
+
+def _per_image_at_any_size(reader: Reader, size: Optional[Tuple[int, int]], decode: str,
+                           transform: Optional[Callable]) -> bool:
+    """Whether the workers decode each image at its own size and run ``transform`` on it (``BatchReader``'s
+    ``each``), for any device: an encoded archive with no decode size, decoded in the workers, and a
+    transform of one image at a time that does not start with a crop (that one is cut while decoding)."""
+    return (reader.mode != "raw" and size is None and decode == "workers" and transform is not None
+            and not is_batch_transform(transform) and not takes_labels(transform)
+            and split_at_decode(transform) is None)
 
 
 def _worker_slots(num_workers: int, device: torch.device, registered: bool,

@@ -8,20 +8,26 @@ An epoch is not that concatenation but a draw from it (``MixtureDraw``): ``sampl
 positions, each source's share of them its weight's, every source a stream of its own
 shuffled passes (or independent draws, with replacement), the sources interleaved at random.
 The draw depends on nothing but (seed, epoch), so the loader's workers, slots, ranks and
-resume work on it as on an archive's shuffled order.
+resume work on it as on an archive's shuffled order.  With ``batches="per-source"`` the draw deals
+whole batches to the sources instead of samples; with make_loader's ``shuffle="window"`` each
+source's passes are window orders of its own parts (``sampling.window_order``), and the parts of
+sources in object storage are fetched ahead through the node-local cache (``MixtureParts``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import numbers
 import os
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+import threading
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from .. import storage
 from ..archives import open_archive
 from ..backends.reader import Reader
 from ..backends.sharded import ShardedBackend, ShardedHandle
@@ -29,8 +35,10 @@ from ..checksum import array_crc32, crc32
 from ..errors import CorruptSampleError, MixtureError
 from ..index import JoinedArray, SampleIndex, part_of
 from ..policy import VerifyPolicy, check_choice
+from .sampling import DEFAULT_WINDOW, Shuffle, split_order, window_order
 
 CLASS_MODES = ("merge", "separate")
+BATCH_MODES = ("mixed", "per-source")
 PASS_BLOCK = 1 << 16  # samples of a source's passes shuffled together (``MixtureDraw._passes``)
 Source = Union[str, "os.PathLike[str]"]
 
@@ -52,7 +60,15 @@ class Mixture:
     goes on where this one stopped, so every sample of it is read before any is read
     again.  With replacement, each of a source's draws is any of its samples.
     ``shuffle=False`` (make_loader's) reads each source's passes in order and
-    interleaves the sources evenly, in a fixed pattern.
+    interleaves the sources evenly, in a fixed pattern.  ``shuffle="window"`` (without
+    replacement only) makes each pass of a source a window order of its own parts, so
+    that a cache smaller than the sources fetches each part of them once a pass.
+
+    With ``batches="per-source"`` every batch comes from one source: the epoch's batches
+    (``samples_per_epoch / batch_size``, rounded up) are dealt to the sources by their
+    weights and drawn in a random order, each filled with the next ``batch_size`` draws of
+    its source.  Raw sources of other shapes then mix without ``size=`` (each batch is of
+    its source's shape).  Under ranks every rank's batch of one step comes from one source.
 
     The draw depends on (seed, epoch) only: the same for any number of workers and
     any start method, a new one after ``set_epoch``; ranks split it as they split an
@@ -72,6 +88,8 @@ class Mixture:
         classes: "merge" (the default): classes of the same name are one class, numbered in
             order of first appearance over the sources; "separate": each source keeps its
             own classes, numbered after the previous sources' and named ``"source/class"``.
+        batches: "mixed" (the default): batches mixed sample by sample; "per-source": each batch
+            wholly from one source, the batches dealt by the weights.
 
     The batches' labels are the mixture's (``loader.classes`` lists its classes);
     ``return_index`` gives each sample as ``(source, index in it)``.  Every source must
@@ -80,7 +98,8 @@ class Mixture:
 
     def __init__(self, sources: "Mapping[Source, float] | Sequence[Tuple[Source, float]]",
                  samples_per_epoch: Optional[int] = None, *,
-                 replacement: "bool | Mapping[Source, bool]" = False, classes: str = "merge") -> None:
+                 replacement: "bool | Mapping[Source, bool]" = False, classes: str = "merge",
+                 batches: str = "mixed") -> None:
         pairs = list(sources.items()) if isinstance(sources, Mapping) else list(sources)
         if not pairs:
             raise ValueError("a Mixture needs at least one source: {path or URL: weight}")
@@ -108,7 +127,8 @@ class Mixture:
         self.samples_per_epoch = None if samples_per_epoch is None else int(samples_per_epoch)
         self.replacement = self._replacement(replacement)
         check_choice("classes", classes, CLASS_MODES)
-        self.classes = classes
+        check_choice("batches", batches, BATCH_MODES)
+        self.classes, self.batches = classes, batches
 
     def _replacement(self, replacement: "bool | Mapping[Source, bool]") -> List[bool]:
         if isinstance(replacement, Mapping):
@@ -134,7 +154,7 @@ class Mixture:
     def __repr__(self) -> str:
         weights = ", ".join(f"{s!r}: {w:g}" for s, w in zip(self.sources, self.weights))
         return (f"Mixture({{{weights}}}, samples_per_epoch={self.samples_per_epoch}, "
-                f"replacement={self.replacement}, classes={self.classes!r})")
+                f"replacement={self.replacement}, classes={self.classes!r}, batches={self.batches!r})")
 
     def open(self, verify: VerifyPolicy = True, format: Optional[str] = None, **remote: Any) -> Reader:
         """The mixture as one ``Reader`` (see ``MixtureBackend``): each source opened with ``verify``
@@ -165,44 +185,82 @@ class MixtureDraw:
 
     ``sizes`` are the sources' sample counts (their samples numbered end to end), ``shares``
     each source's samples in an epoch, ``replacement`` each source's way of drawing.
+    ``part_starts`` are each source's parts (``Reader.part_starts``) and ``window`` the parts of a
+    window, for shuffle="window".  ``batch`` > 0 deals whole batches of that many samples to the
+    sources by ``weights`` (``batches="per-source"``); 0 mixes them sample by sample.
     """
 
     sizes: Tuple[int, ...]
     shares: Tuple[int, ...]
     replacement: Tuple[bool, ...]
+    part_starts: Tuple[Tuple[int, ...], ...] = ()
+    window: int = DEFAULT_WINDOW
+    weights: Tuple[float, ...] = ()
+    batch: int = 0
+
+    @property
+    def batch_shares(self) -> Tuple[int, ...]:
+        """Each source's batches in an epoch (``batch`` > 0): the epoch's batches (its samples over
+        ``batch``, rounded up) dealt by the weights."""
+        return shares(self.weights, -(-sum(self.shares) // self.batch)) if self.batch else ()
+
+    def share(self, k: int) -> int:
+        """Source k's samples in an epoch."""
+        return self.batch_shares[k] * self.batch if self.batch else self.shares[k]
 
     @property
     def samples(self) -> int:
-        return sum(self.shares)
+        return sum(self.share(k) for k in range(len(self.sizes)))
 
-    def __call__(self, epoch: int, seed: int, shuffle: Any = True) -> np.ndarray:
+    def __call__(self, epoch: int, seed: int, shuffle: Shuffle = True) -> np.ndarray:
         """The epoch's order: ``samples`` indices into the sources' samples end to end (int64).
 
         Source k's draws fill the positions of the epoch its share was dealt (at random, or
-        evenly when not ``shuffle``), in the order of its stream (``source_draws``).
+        evenly when not ``shuffle``), in the order of its stream (``source_draws``); with
+        ``batch``, whole batches of positions are dealt.
         """
         seed, epoch = int(seed) % 2**64, int(epoch) % 2**64
         starts = np.cumsum((0,) + self.sizes)
-        owner = np.repeat(np.arange(len(self.shares), dtype=np.int64), self.shares)
+        dealt = self.batch_shares if self.batch else self.shares
+        owner = np.repeat(np.arange(len(dealt), dtype=np.int64), dealt)
         if shuffle:
-            np.random.default_rng([seed, epoch, 0x313]).shuffle(owner)
+            np.random.default_rng([seed, epoch, 0x313] + ([0xBA7] if self.batch else [])).shuffle(owner)
         else:  # each source's k-th draw at (k + 1/2) / share of the epoch: evenly spread
-            spread = np.concatenate([(np.arange(c) + 0.5) / c for c in self.shares if c])
+            spread = np.concatenate([(np.arange(c) + 0.5) / c for c in dealt if c])
             owner = owner[np.argsort(spread, kind="stable")]
+        if self.batch:
+            owner = np.repeat(owner, self.batch)
         order = np.empty(len(owner), dtype=np.int64)
         positions = np.argsort(owner, kind="stable")  # source 0's positions in order, then source 1's...
-        ends = np.cumsum(self.shares)
-        for k, share in enumerate(self.shares):
+        ends = np.cumsum([self.share(k) for k in range(len(self.sizes))])
+        for k in range(len(self.sizes)):
+            share = self.share(k)
             if share:
-                draws = self.source_draws(k, epoch, seed, bool(shuffle))
+                draws = self.source_draws(k, epoch, seed, shuffle)
                 order[positions[ends[k] - share : ends[k]]] = starts[k] + draws
         return order
 
-    def source_draws(self, k: int, epoch: int, seed: int, shuffle: bool) -> np.ndarray:
+    def split(self, epoch: int, seed: int, shuffle: Shuffle, start: int, rank: int, world_size: int,
+              drop_last: bool) -> np.ndarray:
+        """This rank's share of the epoch's order from position ``start`` on (``BatchSampler``'s split).
+
+        Mixed batches: split as an archive's order is (``split_order``).  Whole batches per source:
+        the batches are split, rank r taking every ``world_size``-th from r (padded with the first
+        ones, or cut, to divide evenly), so every batch a rank makes is one of the draw's.
+        """
+        order = self(epoch, seed, shuffle)[start:]
+        if not self.batch:
+            return split_order(order, rank=rank, world_size=world_size, drop_last=drop_last)
+        batches = order[: len(order) // self.batch * self.batch].reshape(-1, self.batch)
+        picked = split_order(np.arange(len(batches)), rank=rank, world_size=world_size, drop_last=drop_last)
+        return batches[picked].ravel()
+
+    def source_draws(self, k: int, epoch: int, seed: int, shuffle: Shuffle) -> np.ndarray:
         """Source k's draws of an epoch, as indices into it.  With replacement: ``share`` independent
         uniform draws.  Without: positions ``epoch * share`` on of its stream of passes, pass p the
-        source's samples shuffled with (seed, k, p) (in order, when not ``shuffle``)."""
-        size, share = self.sizes[k], self.shares[k]
+        source's samples shuffled with (seed, k, p) (in order, when not ``shuffle``; a window order of
+        its parts, when "window")."""
+        size, share = self.sizes[k], self.share(k)
         if self.replacement[k]:
             return np.random.default_rng([seed, epoch, k, 0x5EE]).integers(0, size, share, dtype=np.int64)
         first, last = epoch * share, (epoch + 1) * share  # Python ints: no overflow
@@ -210,13 +268,19 @@ class MixtureDraw:
         offset = first - (first // size) * size
         return stream[offset : offset + share]
 
-    def _passes(self, k: int, seed: int, first: int, last: int, shuffle: bool) -> np.ndarray:
+    def _passes(self, k: int, seed: int, first: int, last: int, shuffle: Shuffle) -> np.ndarray:
         """Passes ``first`` to ``last`` of source k's stream, end to end.  Pass p is a function of (seed, k, p)
         only: the passes of a block of ``PASS_BLOCK`` samples are shuffled together (row by row, one
-        generator a block), so that a small source repeated many times an epoch costs a few vector calls."""
+        generator a block), so that a small source repeated many times an epoch costs a few vector calls.
+        A window pass is ``window_order`` of the source's parts, seeded by (seed, k) and p."""
         size = self.sizes[k]
         if not shuffle:
             return np.tile(np.arange(size, dtype=np.int64), last - first + 1)
+        if shuffle == "window":
+            source_seed = int(np.random.SeedSequence([seed, k, 0x3D0]).generate_state(1, np.uint64)[0] >> 2)
+            starts = np.asarray(self.part_starts[k], dtype=np.int64)
+            return np.concatenate([window_order(starts, epoch=p % 2**62, seed=source_seed, window=self.window)
+                                   for p in range(first, last + 1)])
         per_block = max(1, PASS_BLOCK // size)
         rows = []
         for b in range(first // per_block, last // per_block + 1):
@@ -253,7 +317,7 @@ class MixtureBackend(ShardedBackend):
     def __init__(self, path: str, manifest: Any, index: SampleIndex, parts: Sequence[Reader], *,
                  names: Sequence[str], draw: MixtureDraw, identity: int, offsets: Sequence[int]) -> None:
         super().__init__(path, manifest, index, parts)
-        self.names, self.draw, self.mixture_crc32 = list(names), draw, identity
+        self.names, self.draw, self.mixture_crc32, self.drawn_crc32 = list(names), draw, identity, identity
         self.class_offsets = list(offsets)
         self.mixture: Optional[Mixture] = None  # what it was opened from, and how (``reopen``)
         self.opened_with: Tuple[Optional[str], Dict[str, Any]] = (None, {})
@@ -268,12 +332,13 @@ class MixtureBackend(ShardedBackend):
     def of(cls, mixture: Mixture, readers: List[Reader]) -> "MixtureBackend":
         """The backend of ``mixture``'s sources opened as ``readers`` (MixtureError if they do not mix)."""
         names = mixture.names
-        _check_mix(readers, names)
+        _check_mix(readers, names, whole_batches=mixture.batches == "per-source")
         classes, tables, offsets = _mixed_classes(readers, names, mixture.classes)
         labels = np.concatenate([_mapped(np.asarray(r.labels), t) for r, t in zip(readers, tables)])
         samples = mixture.samples_per_epoch or sum(len(r) for r in readers)
         draw = MixtureDraw(tuple(len(r) for r in readers), shares(mixture.weights, samples),
-                           tuple(mixture.replacement))
+                           tuple(mixture.replacement), tuple(tuple(r.part_starts.tolist()) for r in readers),
+                           weights=tuple(mixture.weights))
         first = readers[0].manifest
         encodings = {r.manifest.encoding for r in readers}
         encoding: Optional[str]
@@ -281,10 +346,13 @@ class MixtureBackend(ShardedBackend):
             mode, shape, encoding = "encoded", None, "mixed"
         else:
             mode, shape = first.mode, first.shape
+            if len({r.manifest.shape for r in readers}) > 1:  # raw ones of other shapes, whole batches of each
+                shape = None
             encoding = (encodings.pop() if len(encodings) == 1 else "mixed") if first.mode != "raw" else None
         manifest = dataclasses.replace(
             first, format=cls.format_name, count=len(labels), classes=tuple(classes), checksum=None, mode=mode,
             shape=shape, encoding=encoding, index_crc32=(), part=-1, set_id="", fields=_common_fields(readers),
+            raw_layout=first.raw_layout if mode == "raw" else "hwc",  # raw sources of other layouts read in this one
         )
         keys = JoinedArray(_SourceKeys(readers), np.cumsum([0] + [len(r) for r in readers]).astype(np.int64),
                            np.result_type(*[r.index.keys.dtype for r in readers]))
@@ -293,7 +361,7 @@ class MixtureBackend(ShardedBackend):
         identity = crc32(json.dumps({
             "sources": [[n, len(r), array_crc32(np.asarray(r.labels))] for n, r in zip(names, readers)],
             "weights": mixture.weights, "samples": samples, "replacement": mixture.replacement,
-            "classes": mixture.classes,
+            "classes": mixture.classes, **({"batches": mixture.batches} if mixture.batches != "mixed" else {}),
         }).encode())
         backend = cls(f"mixture of {description}", manifest, index, readers, names=names, draw=draw,
                       identity=identity, offsets=offsets)
@@ -302,6 +370,48 @@ class MixtureBackend(ShardedBackend):
 
     def data_file(self) -> Optional[str]:
         return None  # no file of its own: each source checks its own files as it reads
+
+    def plan(self, batch_size: int, shuffle: Shuffle, window: int) -> None:
+        """Draw epochs for batches of ``batch_size`` (whole ones per source, when the mixture asks for
+        them) and windows of ``window`` parts (shuffle="window"): what ``make_loader`` was asked for.
+        A window draw depends on how each source is cut into parts, so its identity then does too."""
+        per_source = self.mixture is not None and self.mixture.batches == "per-source"
+        batch = int(batch_size) if per_source and batch_size > 0 else 0
+        self.draw = dataclasses.replace(self.draw, window=int(window), batch=batch)
+        self.mixture_crc32 = self.drawn_crc32  # the sources, weights and draw; with windows, their parts too
+        if shuffle == "window":
+            self.mixture_crc32 = crc32(json.dumps([self.drawn_crc32, self.draw.part_starts]).encode())
+
+    def raw_reads(self, indices: np.ndarray) -> Tuple[Tuple[int, int, int], "RawRead", "RawRead"]:
+        """How to read the raw samples ``indices`` (a batch): (their shape, ``read_many(idx, out)``,
+        ``read_many_planar(idx, out)``), each source reading its own samples of the batch in one call
+        (``read_by_source``), so that a batch costs a call a source and not a few a sample."""
+        source = np.searchsorted(self.starts, np.asarray(indices), side="right") - 1
+        shapes = {self.parts[k].manifest.shape for k in np.unique(source).tolist()}
+        if len(shapes) > 1:  # raw sources of other shapes, mixed sample by sample: refused on opening
+            raise MixtureError(self.path, "a batch holds samples of sources of other shapes",
+                               hint="read raw sources of other shapes with Mixture(..., batches='per-source')")
+        shape = shapes.pop() if shapes else self.manifest.shape
+        if shape is None:
+            raise MixtureError(self.path, "a raw source gives no sample shape", hint="convert it again")
+        return (shape, functools.partial(read_by_source, self, False),
+                functools.partial(read_by_source, self, True))
+
+    def as_pixels(self, blob: Any, i: int) -> np.ndarray:
+        """A raw sample's bytes as its source's HxWxC array (the sources may differ in shape)."""
+        part, j = self.locate(i)
+        return part.backend.as_pixels(blob, j)
+
+    def prefetcher(self, shuffle: Shuffle, window: int, batch_size: int, lag: int) -> Optional[Any]:
+        """For sources in object storage: each one's open parts bounded as a single set's are (a window and
+        one, with shuffle="window"), a warning where its reading order thrashes the cache, and a
+        ``Prefetcher`` of all their parts (None when every source is local)."""
+        remote = [part.backend for part in self.parts if isinstance(part.backend, storage.RemoteSetBackend)]
+        for backend in remote:
+            if shuffle == "window" and backend.max_open_parts is None:
+                backend.limit_open_parts(window + 1)
+            storage.warn_if_cache_thrashes(backend, shuffle, window, batch_size)
+        return storage.Prefetcher(MixtureParts(self), lag=lag) if remote else None
 
     def open(self) -> ShardedHandle:
         return ShardedHandle()
@@ -314,7 +424,8 @@ class MixtureBackend(ShardedBackend):
         encoded ones, as a binary PPM image (its pixels after a short header: decoded by a copy)."""
         p, j = part_of(self.starts, i)
         with self._part(p) as part:
-            data = part.read_bytes(j)
+            # a raw mixture's as its source stores them (``as_pixels`` reads them so), among encoded ones interleaved
+            data = part.read_bytes(j) if self.manifest.mode == "raw" else self.stored_bytes(part, j)
         if part.mode == "raw" and self.manifest.mode != "raw":
             h, w, c = part.manifest.shape or (0, 0, 0)
             return b"P%d\n%d %d\n255\n" % (6 if c == 3 else 5, w, h) + data
@@ -362,9 +473,10 @@ class _SourceKeys:
         return [part.index.keys for part in self.parts]
 
 
-def _check_mix(readers: List[Reader], names: Sequence[str]) -> None:
-    """MixtureError unless the sources give batches of one kind: all raw of one shape, or encoded ones with
-    raw ones of RGB or grey pixels (decoded to one size by ``size=`` or a crop)."""
+def _check_mix(readers: List[Reader], names: Sequence[str], whole_batches: bool = False) -> None:
+    """MixtureError unless the sources give batches of one kind: all raw of one shape (of any shapes, with
+    ``whole_batches``), or encoded ones with raw ones of RGB or grey pixels (decoded to one size by
+    ``size=`` or a crop)."""
     first, name = readers[0], names[0]
     mixed = len({r.mode for r in readers}) > 1
     for reader in readers:
@@ -376,12 +488,13 @@ def _check_mix(readers: List[Reader], names: Sequence[str]) -> None:
                              "raw one is read as an image, of uint8 RGB or grey pixels",
                 hint="convert it to encoded mode (packed-formats convert --mode encoded)")
     for reader in readers[1:]:
-        if not mixed and reader.mode == "raw" and (reader.manifest.shape, reader.manifest.dtype) != (
-                first.manifest.shape, first.manifest.dtype):
+        if not mixed and reader.mode == "raw" and (reader.manifest.dtype != first.manifest.dtype or (
+                reader.manifest.shape != first.manifest.shape and not whole_batches)):
             raise MixtureError(
                 reader.path, f"holds {reader.manifest.dtype} images of shape {reader.manifest.shape}, {name} of "
                              f"{first.manifest.shape}: the raw sources of a Mixture must hold one shape",
-                hint="convert the sources at one size (packed-formats convert --size)")
+                hint="convert the sources at one size (packed-formats convert --size), or take each batch from "
+                     "one source: Mixture(..., batches='per-source')")
     for reader, source in zip(readers, names):
         if len(reader) == 0:
             raise MixtureError(reader.path, f"source {source} holds no samples, so none can be drawn from it",
@@ -427,8 +540,95 @@ def mixture_of(reader: Reader) -> Optional[MixtureBackend]:
     return backend if isinstance(backend, MixtureBackend) else None
 
 
+class MixtureParts:
+    """The parts of a mixture's sources numbered end to end, as a ``Prefetcher`` sees a remote set's: a
+    source in object storage brings its parts, a local one is one part that needs no fetching."""
+
+    def __init__(self, mixture: MixtureBackend) -> None:
+        self.mixture = mixture
+        starts, self.owners = [np.zeros(1, dtype=np.int64)], []
+        for k, part in enumerate(mixture.parts):
+            remote = isinstance(part.backend, storage.RemoteSetBackend)
+            local = np.asarray(part.part_starts if remote else [0, len(part)], dtype=np.int64)
+            starts.append(local[1:] + mixture.starts[k])
+            self.owners += [(k, p if remote else -1) for p in range(len(local) - 1)]
+        self.starts = np.concatenate(starts)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {"mixture": self.mixture}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__init__(state["mixture"])  # type: ignore[misc]
+
+    def parts_that_fit(self) -> Optional[int]:
+        """Parts (of the remote sources' average size) that their shared cache holds (None: no bound)."""
+        remote = [part.backend for part in self.mixture.parts if isinstance(part.backend, storage.RemoteSetBackend)]
+        limits = [b.cache.limit for b in remote if b.cache.limit is not None]
+        if not limits:
+            return None
+        sizes = [p.info.size for b in remote for p in b.remote_parts]
+        return max(1, int(min(limits) // max(1.0, sum(sizes) / max(1, len(sizes)))))
+
+    def pin(self, p: int) -> Any:
+        """A lease on part p: a remote source's part fetched into the cache, or nothing to hold."""
+        k, q = self.owners[p]
+        backend = self.mixture.parts[k].backend
+        return backend.pin(q) if isinstance(backend, storage.RemoteSetBackend) and q >= 0 else _NoLease()
+
+
+class _NoLease:
+    """The lease on a local source's samples: nothing is held."""
+
+    def release(self) -> None:
+        pass
+
+
+RawRead = Callable[[np.ndarray, np.ndarray], Any]
+
+
+def read_by_source(mixture: MixtureBackend, planar: bool, indices: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """The mixture's raw samples ``indices`` into ``out`` ([B,H,W,C], or [B,C,H,W] when ``planar``): each
+    source's of them read by it in one call (checked with its verify policy, its errors naming it and the
+    index in it), straight into ``out`` when the batch is one source's, else gathered and put in place."""
+    indices = np.asarray(indices, dtype=np.int64)
+    source = np.searchsorted(mixture.starts, indices, side="right") - 1
+    for k in np.unique(source).tolist():
+        part = mixture.parts[k]
+        read = part.read_many_planar if planar else part.read_many
+        rows = np.flatnonzero(source == k)
+        local = indices[rows] - mixture.starts[k]
+        if len(rows) == len(indices):
+            read(local, out=out)
+        else:
+            gathered = _gathering(out.shape[1:], len(indices))[: len(rows)]
+            read(local, out=gathered)
+            out[rows] = gathered
+    return out
+
+
+_gathered = threading.local()
+
+
+def _gathering(shape: Tuple[int, ...], rows: int) -> np.ndarray:
+    """This thread's buffer for up to ``rows`` samples of ``shape``, kept from batch to batch: a fresh one each
+    batch costs its pages' first touch, about as much as the copy out of it."""
+    buffer = getattr(_gathered, "buffer", None)
+    if buffer is None or buffer.shape[1:] != tuple(shape) or len(buffer) < rows:
+        buffer = _gathered.buffer = np.empty((rows,) + tuple(shape), dtype=np.uint8)
+    return buffer
+
+
+def raw_reads(reader: Reader, indices: np.ndarray) -> Optional[Tuple[Tuple[int, int, int], RawRead, RawRead]]:
+    """``MixtureBackend.raw_reads`` when ``reader`` reads a raw mixture (else None)."""
+    mixture = mixture_of(reader)
+    return None if mixture is None or reader.mode != "raw" else mixture.raw_reads(indices)
+
+
 def check_source(source: Any, shuffle: Any) -> None:
-    """ValueError for what a mixture does not take yet: shuffle="window"."""
+    """ValueError for what a mixture does not take: shuffle="window" with replacement."""
     if isinstance(source, Mixture) and shuffle == "window":
-        raise ValueError("shuffle='window' does not apply to a Mixture: each epoch is a draw from its sources "
-                         "(use shuffle=True)")
+        drawn = [s for s, r in zip(source.sources, source.replacement) if r]
+        if drawn:
+            raise ValueError(f"shuffle='window' reads each source's parts window by window, once a pass; "
+                             f"{drawn} draw with replacement, which has no passes: use shuffle=True, or "
+                             "replacement=False for them")

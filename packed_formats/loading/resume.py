@@ -37,8 +37,10 @@ STATE_VERSION = 1  # raise when a state's meaning changes; older states stay rea
 POSITION_FIELDS = ("epoch", "start", "world_size", "first_batch")
 ARCHIVE_FIELDS = ("name", "count", "classes", "classes_crc32", "labels_crc32")  # of ``archive_identity``
 # settings a state leaves out at this value (so older versions read it), and that older states lack:
-# those of shuffle="window" (``window_settings``)
-OPTIONAL_SETTINGS: Mapping[str, Any] = {"window": None, "parts_crc32": None, "mixture_crc32": None}
+# those of shuffle="window" (``window_settings``), and the k of shuffle=GroupByAspectRatio(k) with a CRC32
+# of each sample's bin (``groups_crc32``: sizes given or read decide them)
+OPTIONAL_SETTINGS: Mapping[str, Any] = {"window": None, "parts_crc32": None, "mixture_crc32": None,
+                                        "aspect_groups": None, "groups_crc32": None}
 
 
 def archive_identity(reader: Reader) -> Dict[str, Any]:
@@ -332,6 +334,9 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
     ) -> None:
         self._reader = getattr(dataset_or_len, "reader", None)
         self.shuffle, self.window = check_shuffle(shuffle, window)
+        if not isinstance(self.shuffle, (bool, str)):  # a GroupByAspectRatio makes batches: make_loader's
+            raise ValueError(f"ResumableSampler yields samples, not batches: shuffle={self.shuffle!r} is for "
+                             "make_loader (use shuffle=True here)")
         self.n = dataset_or_len if isinstance(dataset_or_len, int) else len(dataset_or_len)
         if rank is None or world_size is None:
             this_rank, this_world = rank_and_world_size(None)

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from ..handles import leave_with_parent
+from .aspect_groups import GroupByAspectRatio, grouped_batches
 
 
 class BatchPlan(NamedTuple):
@@ -39,21 +40,22 @@ class BatchPlan(NamedTuple):
 
 
 # ---- order ------------------------------------------------------------------------------------------
-Shuffle = Union[bool, str]  # True, False or "window"
+Shuffle = Union[bool, str, GroupByAspectRatio]  # True, False, "window" or GroupByAspectRatio(k)
 DEFAULT_WINDOW = 8  # parts per window of shuffle="window"
 
 
 def check_shuffle(shuffle: Any, window: Any) -> Tuple[Shuffle, int]:
-    """(shuffle, window) checked: shuffle True, False or "window"; window a positive integer (parts).
+    """(shuffle, window) checked: shuffle True, False, "window" or a ``GroupByAspectRatio``; window a
+    positive integer (parts).
 
     Raises:
         ValueError: naming ``shuffle`` or ``window`` and what it must be.
     """
     if isinstance(shuffle, (bool, np.bool_)):
         shuffle = bool(shuffle)
-    elif not (isinstance(shuffle, str) and shuffle == "window"):
-        raise ValueError(f"shuffle must be True or False, or 'window' (parts shuffled, then samples within each "
-                         f"window of `window` parts), got {shuffle!r}")
+    elif not (isinstance(shuffle, str) and shuffle == "window") and not isinstance(shuffle, GroupByAspectRatio):
+        raise ValueError(f"shuffle must be True or False, 'window' (parts shuffled, then samples within each "
+                         f"window of `window` parts) or pf.GroupByAspectRatio(k), got {shuffle!r}")
     if isinstance(window, (bool, np.bool_)) or not isinstance(window, numbers.Integral) or window < 1:
         raise ValueError(f"window must be a positive integer (parts whose samples are shuffled together), "
                          f"got {window!r}")
@@ -64,8 +66,8 @@ def epoch_order(n: int, *, epoch: int = 0, seed: int = 0, shuffle: Shuffle = Tru
                 starts: Optional[np.ndarray] = None, window: int = DEFAULT_WINDOW) -> np.ndarray:
     """The epoch's global order of all ``n`` samples, the same on every rank.
 
-    shuffle=True: ``torch.randperm`` seeded with ``seed + epoch`` (as
-    ``DistributedSampler``); False: 0..n-1; "window": ``window_order`` over the
+    shuffle=True (and a ``GroupByAspectRatio``, whose batches are cut from this order): ``torch.randperm``
+    seeded with ``seed + epoch`` (as ``DistributedSampler``); False: 0..n-1; "window": ``window_order`` over the
     parts whose first samples are ``starts`` (None: one part, ``[0, n]``).
     """
     if shuffle == "window":
@@ -231,18 +233,23 @@ class BatchSampler(torch.utils.data.Sampler):
     of those whose first samples are ``starts``; None: one part, ``[0, n]``).
     ``draw`` (a mixture's: ``draw(epoch, seed, shuffle)``) gives the epoch's global order
     of ``n`` positions in place of ``epoch_order``; it is split over ranks the same way.
+    ``groups`` (int [n], each sample's aspect-ratio bin) goes with a ``GroupByAspectRatio`` shuffle:
+    the share is then cut into batches bin by bin (``aspect_groups.grouped_batches``).
     """
 
     def __init__(self, n: int, batch_size: int, shuffle: Shuffle, drop_last: bool, seed: int, rank: int,
                  world_size: int, *, window: int = DEFAULT_WINDOW, starts: Optional[np.ndarray] = None,
-                 draw: Optional[Callable[[int, int, Shuffle], np.ndarray]] = None) -> None:
+                 draw: Optional[Callable[[int, int, Shuffle], np.ndarray]] = None,
+                 groups: Optional[np.ndarray] = None) -> None:
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         self.shuffle, self.window = check_shuffle(shuffle, window)
         self.n, self.batch_size, self.drop_last = n, batch_size, drop_last
         self.starts = np.array([0, n], dtype=np.int64) if starts is None else starts
         self.seed, self.rank, self.world_size = seed, rank, world_size
-        self.draw = draw
+        self.draw, self.groups = draw, groups
+        if isinstance(self.shuffle, GroupByAspectRatio) and (groups is None or len(groups) != n):
+            raise ValueError("shuffle=GroupByAspectRatio needs the aspect-ratio bin of each of the samples (groups)")
         self.epoch = 0
         self.start, self.first_batch, self.skip = 0, 0, 0
         self._on_set_epoch: Optional[weakref.WeakMethod[Callable[[int], None]]] = None
@@ -292,6 +299,9 @@ class BatchSampler(torch.utils.data.Sampler):
     def _plans(self, epoch: int, first_batch: int, skip: int, order_of: Callable[[], np.ndarray]
                ) -> Iterator[BatchPlan]:
         order, bs, prefetcher = order_of(), self.batch_size, self.prefetcher
+        if isinstance(self.shuffle, GroupByAspectRatio) and self.groups is not None:  # batches bin by bin
+            batches = grouped_batches(order, self.groups, bs, self.drop_last)
+            order = np.concatenate(batches) if batches else order[:0]  # in the order the batches read it
         if prefetcher is not None:
             prefetcher.new_epoch()
         try:
@@ -315,7 +325,10 @@ class BatchSampler(torch.utils.data.Sampler):
 
 def _drawn_share(draw: Callable[[int, int, Shuffle], np.ndarray], epoch: int, seed: int, shuffle: Shuffle,
                  start: int, rank: int, world_size: int, drop_last: bool) -> np.ndarray:
-    """This rank's share of a drawn epoch order from position ``start`` on (as ``shard_indices`` splits one)."""
+    """This rank's share of a drawn epoch order from position ``start`` on (as ``shard_indices`` splits one,
+    or as the draw splits itself: a mixture's whole batches per source are split batch by batch)."""
+    if hasattr(draw, "split"):
+        return draw.split(epoch, seed, shuffle, start, rank, world_size, drop_last)
     return split_order(draw(epoch, seed, shuffle)[start:], rank=rank, world_size=world_size, drop_last=drop_last)
 
 

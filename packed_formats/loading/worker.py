@@ -15,6 +15,7 @@ result, is written once and sent without a copy.
 from __future__ import annotations
 
 import contextlib
+import functools
 import traceback
 from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Sequence, Tuple, cast
 
@@ -29,13 +30,18 @@ from ..memory import SentBatch, SlotPool
 from ..policy import Skipped
 from ..transforms import apply_with_labels
 from ..transforms.at_decode import CropAtDecode, split_at_decode
+from ..transforms.labels import takes_labels
+from ..transforms.ops import is_batch_transform
 from . import device_decode
 from .device_decode import EncodedBatch
 from .field_batches import BatchFields, Where, apply_per_sample
+from .image_lists import join
+from .mixture import raw_reads
 from .sampling import BatchPlan, batch_seed, seed_globals
 from .slots import BatchSlots
 
-# (images, labels, left out, indices), and with fields the batch's fields (``BatchFields.pack``)
+# (images, labels, left out, indices), and with fields the batch's fields (``BatchFields.pack``); with
+# own_sizes, (images joined, labels, left out, indices, the fields or None, the images' shapes) (``image_lists``)
 Item = Tuple[Any, ...]
 
 
@@ -87,6 +93,12 @@ class BatchReader(torch.utils.data.Dataset):
         fields: the sample fields each batch carries too (``field_batches``): read for the samples
             the batch keeps, cut with their images, and transformed with them per sample (the
             transform then a torchvision v2 transform of a sample's dict).
+        own_sizes: each image keeps its own size (``make_loader(size="own")``): decoded whole (or cut by
+            a crop-first transform), transformed on its own, and sent joined (``image_lists``).
+
+    An encoded archive read with neither ``size`` nor a first crop, whose transform takes one image (or
+    one sample's dict) at a time, is decoded image by image at each one's size, so that the transform
+    may bring images of different sizes to one (``_each_batch``).
 
     Pickles as its reader's description (path, index), never an open handle.
     """
@@ -106,6 +118,7 @@ class BatchReader(torch.utils.data.Dataset):
         memory_format: Optional[torch.memory_format] = None,
         send: str = "batches",
         fields: Optional[BatchFields] = None,
+        own_sizes: bool = False,
     ) -> None:
         self.reader, self.size, self.transform, self.memory_format = reader, size, transform, memory_format
         self.resize_mode, self.fields = resize_mode, fields
@@ -113,6 +126,12 @@ class BatchReader(torch.utils.data.Dataset):
         # an encoded archive with no decode size does the transform's first crop while decoding
         self.at_decode = split_at_decode(transform) if reader.mode != "raw" and size is None else None
         self.send = send if reader.mode != "raw" else "batches"
+        self.own_sizes = own_sizes
+        per_image = transform is not None and (fields is not None or not (
+            is_batch_transform(transform) or takes_labels(transform)))
+        # images read one by one at their own sizes (``_each_batch``)
+        self.each = self.send == "batches" and (own_sizes or (
+            reader.mode != "raw" and size is None and self.at_decode is None and per_image))
         # which samples the device may decode, found once per loader (1: a JPEG the strict check read
         # whole): a byte each, in memory every worker shares, so that no sample is checked twice
         self.taken = torch.zeros(len(reader) if self.send == "bytes" else 0, dtype=torch.uint8).share_memory_()
@@ -155,6 +174,8 @@ class BatchReader(torch.utils.data.Dataset):
             encoded, kept, skipped = self._for_device(idx, generator)
             labels = torch.from_numpy(np.ascontiguousarray(self.reader.labels[idx[kept]]))
             return encoded, labels, tuple(s[1] for s in skipped), encoded.indices
+        if self.each:
+            return self._each_batch(idx, transform, seed, generator)
         wheres: List[Optional[Where]] = [None] * len(idx)
         if self.reader.mode == "raw":
             images, skipped = self._read_raw(idx)
@@ -164,7 +185,8 @@ class BatchReader(torch.utils.data.Dataset):
         else:
             images, skipped, wheres = self._read_encoded(idx)
         if self.fields is not None:  # their values next, a sample whose fields fail left out as one whose image does
-            values = self._read_fields(idx, wheres, (int(images.shape[1]), int(images.shape[2])), skipped)
+            values = self._read_fields(idx, wheres, [(int(images.shape[1]), int(images.shape[2]))] * len(idx),
+                                       skipped)
         keep = np.setdiff1d(np.arange(len(idx)), [s[0] for s in skipped]) if skipped else None
         images = images.permute(0, 3, 1, 2)  # [B,C,H,W] view, channels last in memory
         if keep is not None:
@@ -179,9 +201,9 @@ class BatchReader(torch.utils.data.Dataset):
         images = self._in_layout(images)
         return images, labels, tuple(s[1] for s in skipped), torch.from_numpy(np.array(idx, dtype=np.int64))
 
-    def _read_fields(self, idx: np.ndarray, wheres: Sequence[Optional[Where]], canvas: Tuple[int, int],
+    def _read_fields(self, idx: np.ndarray, wheres: Sequence[Optional[Where]], canvases: Sequence[Tuple[int, int]],
                      skipped: Bad) -> List[Any]:
-        """Each sample's fields (``BatchFields.read``; ``canvas``: the (height, width) of the batch's images as
+        """Each sample's fields (``BatchFields.read``; ``canvases``: the (height, width) of each image as
         read, what a field taken as stored must be), None for a sample already left out; with on_error="skip"
         one whose fields fail is left out too (noted in ``skipped``)."""
         fields, left_out = cast(BatchFields, self.fields), {j for j, _ in skipped}
@@ -190,7 +212,7 @@ class BatchReader(torch.utils.data.Dataset):
             value = None
             if j not in left_out:
                 try:
-                    value = fields.read(self.reader, i, where, canvas)
+                    value = fields.read(self.reader, i, where, canvases[j])
                 except CorruptSampleError as exc:
                     if self.on_error == "raise":
                         raise
@@ -205,19 +227,91 @@ class BatchReader(torch.utils.data.Dataset):
         sample, then the fields packed to leave as few tensors (``BatchFields.pack``)."""
         fields = cast(BatchFields, self.fields)
         if transform is not None:  # v2 transforms draw from torch's global generator: seeded by the batch
-            if torch.utils.data.get_worker_info() is not None:
-                seed_globals(seed ^ 0x5EED)
-                images, values = apply_per_sample(transform, fields, images, labels, values)
-            else:  # in the main process without touching its own generator's state
-                with torch.random.fork_rng(devices=[]), one_torch_thread():
-                    torch.manual_seed(seed ^ 0x5EED)
-                    images, values = apply_per_sample(transform, fields, images, labels, values)
+            each, values = self._seeded(seed, lambda: apply_per_sample(transform, fields, images, labels, values,
+                                                                       stack=False))
+            images = self._stacked(each, idx) if each else images
         try:
             packed = fields.pack(values)
         except ValueError as exc:
             raise PackedFormatError(self.reader.path, str(exc)) from None
         return (self._in_layout(images), labels, tuple(s[1] for s in skipped),
                 torch.from_numpy(np.array(idx, dtype=np.int64)), packed)
+
+    def _each_batch(self, idx: np.ndarray, transform: Optional[Callable], seed: int,
+                    generator: Optional[torch.Generator]) -> Item:
+        """The batch read image by image at each one's size (a crop-first transform still cuts while
+        decoding), the transform run on each image (or sample's dict, with fields) on its own; then the
+        images listed (``own_sizes``: joined, with their shapes) or stacked, which needs one size."""
+        wheres: List[Optional[Where]] = [None] * len(idx)
+        pictures: List[Optional[torch.Tensor]]
+        if self.reader.mode == "raw":
+            read, skipped = self._read_raw(idx)
+            pictures = list(read)
+        elif self.at_decode is not None:
+            crop, transform = self.at_decode
+            read, skipped, wheres = self._read_encoded(idx, crop, generator)
+            pictures = list(read)
+        else:
+            pictures, skipped = self._decode_each(idx)
+        canvases = [(1, 1) if p is None else (int(p.shape[0]), int(p.shape[1])) for p in pictures]
+        values = self._read_fields(idx, wheres, canvases, skipped) if self.fields is not None else None
+        left_out = {j for j, _ in skipped}
+        kept = [j for j in range(len(idx)) if j not in left_out]
+        images = [cast(torch.Tensor, pictures[j]).permute(2, 0, 1) for j in kept]  # [C,H,W] views
+        idx = idx[np.array(kept, dtype=np.int64)]
+        labels = torch.from_numpy(np.ascontiguousarray(self.reader.labels[idx]))
+        kept_values = None if values is None else [values[j] for j in kept]
+        if transform is not None:
+            images, kept_values = self._seeded(seed, functools.partial(
+                _per_image, transform, self.fields, images, labels, kept_values))
+        left = tuple(s[1] for s in sorted(skipped))
+        indices = torch.from_numpy(np.array(idx, dtype=np.int64))
+        batch: Optional[torch.Tensor] = None
+        if not self.own_sizes:  # one size, or an error naming each sample's
+            batch = self._stacked(images, idx) if images else torch.empty((0, self.channels, 0, 0), dtype=torch.uint8)
+        packed: Any = None
+        try:
+            if kept_values is not None:
+                packed = cast(BatchFields, self.fields).pack(kept_values, own_sizes=self.own_sizes)
+            if batch is None:
+                flat, shapes = join([image.contiguous() for image in images])
+                return flat, labels, left, indices, packed, shapes
+        except ValueError as exc:
+            raise PackedFormatError(self.reader.path, str(exc)) from None
+        return (self._in_layout(batch), labels, left, indices) + (() if self.fields is None else (packed,))
+
+    def _decode_each(self, idx: np.ndarray) -> Tuple[List[Optional[torch.Tensor]], Bad]:
+        """Each image of the batch decoded whole at its own size (HxWxC), None for one left out."""
+        found, skipped = self._encoded_blobs(idx)
+        pictures: List[Optional[torch.Tensor]] = []
+        for j, (i, blob) in enumerate(zip(idx.tolist(), found)):
+            pixels = None if blob is None else self._decoded(blob, i, j, None, skipped)
+            if pixels is not None and not pixels.flags.writeable:  # a decoder's read-only array: torch needs its own
+                pixels = pixels.copy()
+            pictures.append(None if pixels is None else torch.from_numpy(pixels))
+        return pictures, skipped
+
+    def _seeded(self, seed: int, run: Callable[[], Any]) -> Any:
+        """``run()``, the per-sample transforms in it drawing from torch's global generator seeded by the
+        batch (in the main process without touching its own generator's state)."""
+        if torch.utils.data.get_worker_info() is not None:
+            seed_globals(seed ^ 0x5EED)
+            return run()
+        with torch.random.fork_rng(devices=[]), one_torch_thread():
+            torch.manual_seed(seed ^ 0x5EED)
+            return run()
+
+    def _stacked(self, images: Sequence[torch.Tensor], idx: np.ndarray) -> torch.Tensor:
+        """The transformed images as one batch; a PackedFormatError naming each sample's size when they
+        differ, with the ways that give a batch of one size (or lists)."""
+        if len({tuple(image.shape) for image in images}) <= 1:
+            return torch.stack(list(images))
+        sizes = ", ".join(f"{i} ({self.reader.key(i)!r}): {'x'.join(map(str, image.shape))}"
+                          for i, image in zip(idx.tolist(), images))
+        raise PackedFormatError(
+            self.reader.path, f"the transform gave the batch's images different sizes (sample: [C,H,W]) {sizes}; "
+                              "a batch of one tensor needs one size",
+            hint=device_decode.one_size_hint(self.fields is not None))
 
     def _transform(self, transform: Callable, images: torch.Tensor, labels: torch.Tensor, seed: int,
                    generator: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -287,12 +381,16 @@ class BatchReader(torch.utils.data.Dataset):
     def _read_raw(self, idx: np.ndarray) -> Tuple[torch.Tensor, Bad]:
         """The batch's samples as a [B,H,W,C] tensor: read as stored, or (``_reads_planar``) parted into
         channels on the way into the memory the batch is sent in, the tensor then a view of it."""
-        h, w, c = self._raw_shape()
+        mixture = raw_reads(self.reader, idx)  # a mixture's: each source reads its samples, at its shape
+        if mixture is not None:
+            (h, w, c), read_many, read_planar = mixture
+        else:
+            (h, w, c), read_many, read_planar = self._raw_shape(), self.reader.read_many, self.reader.read_many_planar
         if self._reads_planar():
             planar = self._sent_buffer((len(idx), c, h, w))
-            return planar.permute(0, 2, 3, 1), self._read_raw_into(idx, planar.numpy(), self.reader.read_many_planar)
+            return planar.permute(0, 2, 3, 1), self._read_raw_into(idx, planar.numpy(), read_planar)
         buffer = self._new_buffer((len(idx), h, w, c))
-        return buffer, self._read_raw_into(idx, buffer.numpy(), self.reader.read_many)
+        return buffer, self._read_raw_into(idx, buffer.numpy(), read_many)
 
     def _read_raw_into(self, idx: np.ndarray, out: np.ndarray, read: Callable[..., Any]) -> Bad:
         """``read(idx, out=out)``; with on_error="skip", sample by sample once a sample fails (those left out)."""
@@ -313,9 +411,13 @@ class BatchReader(torch.utils.data.Dataset):
     def _reads_planar(self) -> bool:
         """Whether a raw batch is read straight into contiguous NCHW: the batch as sent, when it is
         sent as read (no transform, no fields) in that layout.  Its one copy out of the archive then
-        parts the channels too, where a read as stored would need a second pass to transpose it."""
-        return (self.memory_format == torch.contiguous_format and self.channels > 1 and self.transform is None
-                and self.fields is None)
+        parts the channels too, where a read as stored would need a second pass to transpose it.  A
+        planar archive's batch (``raw_layout`` "chw") is read so also for a device that takes it as
+        read (no ``memory_format``): a plain copy, and already the NCHW batch the device wants."""
+        if self.channels == 1 or self.transform is not None or self.fields is not None:
+            return False
+        planar = self.reader.manifest.raw_layout == "chw"
+        return self.memory_format == torch.contiguous_format or (planar and self.memory_format is None)
 
     def _raw_shape(self) -> Tuple[int, int, int]:
         shape = self.reader.manifest.shape
@@ -477,11 +579,28 @@ class BatchReader(torch.utils.data.Dataset):
 
     def _put(self, buffer: torch.Tensor, j: int, pixels: np.ndarray, i: int) -> None:
         if pixels.shape != tuple(buffer.shape[1:]):
-            raise device_decode.mixed_sizes(self.reader, i, pixels.shape[:2], tuple(buffer.shape[1:3]))
+            raise device_decode.mixed_sizes(self.reader, i, pixels.shape[:2], tuple(buffer.shape[1:3]),
+                                            fields=self.fields is not None)
         buffer.numpy()[j] = pixels
 
     def _skipped(self, exc: CorruptSampleError, i: int) -> Skipped:
         return Skipped(self.reader.path, i, self.reader.key(i), exc.problem)
+
+
+def _per_image(transform: Callable, fields: Optional[BatchFields], images: List[torch.Tensor], labels: torch.Tensor,
+               values: Optional[List[Any]]) -> Tuple[List[torch.Tensor], Optional[List[Any]]]:
+    """``transform`` on each image on its own (with fields, on each sample's dict: ``apply_per_sample``):
+    the images it gave, and the fields.  TypeError for a result that is not a tensor."""
+    if fields is not None and values is not None:
+        return apply_per_sample(transform, fields, images, labels, values, stack=False)
+    outputs = []
+    for image in images:
+        output = transform(image)
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(f"the transform {transform!r} returned {type(output).__name__}, not a tensor: "
+                            "make_loader takes each image's result as a [C,H,W] tensor")
+        outputs.append(output.as_subclass(torch.Tensor))
+    return outputs, values
 
 
 def copy_between_layouts(out: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
@@ -509,3 +628,4 @@ def one_torch_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
+
