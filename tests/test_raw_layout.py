@@ -90,6 +90,19 @@ def test_a_planar_archive_reads_the_images_an_interleaved_one_does(pair, samples
             assert zlib.crc32(data) == int(chw.index.crc32[i])
 
 
+def test_samples_read_planar_into_rows_of_a_batch_land_in_those_rows_only(pair, samples):
+    """``rows=``: a source's samples of a batch that other sources fill the rest of (a Mixture's)."""
+    expected, idx, rows = pixels_of(samples), [7, 3, 20], [4, 0, 2]
+    for layout in LAYOUTS:
+        with pf.open_archive(pair[layout]) as reader:
+            batch = np.full((5, 3) + RAW_SHAPE[:2], 99, dtype=np.uint8)
+            reader.read_many_planar(idx, batch, rows=np.array(rows))
+            np.testing.assert_array_equal(batch[rows], expected[idx].transpose(0, 3, 1, 2))
+            assert (batch[[1, 3]] == 99).all()
+            with pytest.raises(ValueError, match="rows must give each"):
+                reader.read_many_planar(idx, batch, rows=np.array([4, 0, 5]))
+
+
 def test_a_planar_batch_is_one_batch_read_of_the_stored_bytes(pair):
     """NCHW from a planar archive: the format's one batch read (a gather), never a read and a copy per sample."""
     for layout, expected in (("hwc", {"read": 24}), ("chw", {"read_batch": 1})):

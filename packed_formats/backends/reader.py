@@ -368,24 +368,32 @@ class Reader:
         return out
 
     @drops_frames
-    def read_many_planar(self, idx: "Sequence[int] | np.ndarray", out: np.ndarray) -> np.ndarray:
+    def read_many_planar(self, idx: "Sequence[int] | np.ndarray", out: np.ndarray,
+                         rows: Optional[np.ndarray] = None) -> np.ndarray:
         """Raw samples idx into ``out``, a uint8 [B,C,H,W] array (a contiguous NCHW batch, say): each
         sample copied once, straight from where the archive keeps it, its channels parted on the way,
         with no [B,H,W,C] batch between.  Each sample's stored bytes are checked (the verify policy)
         before they are copied, as ``read`` does.  A planar archive's batch is one plain read of its
-        bytes (``read_many_stored``): nothing to part.
+        bytes (``read_many_stored``): nothing to part.  ``rows``: sample j goes to ``out[rows[j]]``
+        (``out`` then any [R,C,H,W] batch the rows are in: a batch other archives fill the rest of).
         """
         indices = self.check_indices(idx)
         if self.manifest.mode != "raw":
             raise ValueError(f"{self.path}: only raw archives read into planar batches")
         h, w, c = self.backend.shape
-        shape = (len(indices), c, h, w)
+        places = np.arange(len(indices)) if rows is None else np.asarray(rows, dtype=np.int64)
+        if len(places) != len(indices) or (len(places) and not 0 <= places.min() <= places.max() < len(out)):
+            raise ValueError(f"rows must give each of the {len(indices)} samples a row of out")
+        shape = (len(indices) if rows is None else len(out), c, h, w)
         if out.shape != shape or out.dtype != np.uint8:
             raise ValueError(f"out must be uint8 {shape}, got {out.dtype} {out.shape}")
         handle = self._unchanged_handle()
         if self.manifest.raw_layout == "chw":
-            return self._read_stored(handle, indices, out)
-        for j, i in enumerate(indices.tolist()):
+            if rows is None:
+                return self._read_stored(handle, indices, out)
+            out[places] = self._read_stored(handle, indices, np.empty((len(indices), c, h, w), np.uint8))
+            return out
+        for j, i in zip(places.tolist(), indices.tolist()):
             pixels = self.backend.as_pixels(self._read_checked(handle, i), i)
             np.copyto(out[j], pixels.transpose(2, 0, 1))  # the one copy: HxWxC -> CxHxW
         return out

@@ -599,6 +599,8 @@ def read_by_source(mixture: MixtureBackend, planar: bool, indices: np.ndarray, o
         local = indices[rows] - mixture.starts[k]
         if len(rows) == len(indices):
             read(local, out=out)
+        elif planar and part.manifest.raw_layout == "hwc":  # parted sample by sample: each straight to its row
+            part.read_many_planar(local, out=out, rows=rows)
         else:
             gathered = _gathering(out.shape[1:], len(indices))[: len(rows)]
             read(local, out=gathered)

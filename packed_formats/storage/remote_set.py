@@ -822,8 +822,8 @@ class RemoteSetReader(Reader):
         return cast(np.ndarray, self._refetching(Reader.read_many_stored, idx, out))
 
     @drops_frames
-    def read_many_planar(self, idx: Any, out: np.ndarray) -> np.ndarray:
-        return cast(np.ndarray, self._refetching(Reader.read_many_planar, idx, out))
+    def read_many_planar(self, idx: Any, out: np.ndarray, rows: Optional[np.ndarray] = None) -> np.ndarray:
+        return cast(np.ndarray, self._refetching(Reader.read_many_planar, idx, out, rows))
 
     @drops_frames
     def read_field_bytes(self, i: int, name: str) -> bytes:
