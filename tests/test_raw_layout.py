@@ -288,7 +288,9 @@ def test_a_planar_manifest_without_its_layout_is_refused_by_name(pairs):
         pf.ArchiveManifest.from_json(sealed(dict(data, mode="encoded", shape=None, encoding="jpeg")))
 
 
-def test_a_stored_manifest_that_loses_its_layout_is_refused_on_open(pairs, tmp_path):
+def planar_copy_without_layout(pairs, tmp_path, **changes) -> str:
+    """A copy of the planar memmap archive whose manifest lost its raw_layout (and took ``changes``),
+    its checksum made again as a writer would."""
     path = tmp_path / "chw.memmap"
     shutil.copytree(pairs["memmap"]["chw"], path)
     name = os.path.join(path, memmap.MANIFEST)
@@ -296,7 +298,12 @@ def test_a_stored_manifest_that_loses_its_layout_is_refused_on_open(pairs, tmp_p
         data = json.load(file)
     del data["raw_layout"]
     with open(name, "w") as file:
-        file.write(sealed(data))
+        file.write(sealed(dict(data, **changes)))
+    return os.fspath(path)
+
+
+def test_a_stored_manifest_that_loses_its_layout_is_refused_on_open(pairs, tmp_path):
+    path = planar_copy_without_layout(pairs, tmp_path)
     with pytest.raises(pf.CorruptArchiveError, match="raw_layout is missing") as error:
         pf.open_archive(path)
     assert os.fspath(path) in str(error.value)
@@ -305,14 +312,7 @@ def test_a_stored_manifest_that_loses_its_layout_is_refused_on_open(pairs, tmp_p
 def test_a_planar_memmap_passed_off_as_an_older_interleaved_one_is_refused(pairs, tmp_path):
     """A manifest edited back to version 3 without its layout (its checksum made again): images.npy says the
     samples are planar, so the archive is refused rather than read with its channels taken for rows."""
-    path = tmp_path / "chw.memmap"
-    shutil.copytree(pairs["memmap"]["chw"], path)
-    name = os.path.join(path, memmap.MANIFEST)
-    with open(name) as file:
-        data = json.load(file)
-    del data["raw_layout"]
-    with open(name, "w") as file:
-        file.write(sealed(dict(data, format_version=PLAIN_VERSION)))
+    path = planar_copy_without_layout(pairs, tmp_path, format_version=PLAIN_VERSION)
     with pytest.raises(pf.CorruptArchiveError, match=r"images.npy holds samples of shape \(3, 24, 32\)"):
         pf.open_archive(path)
 

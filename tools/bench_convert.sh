@@ -12,19 +12,10 @@
 # the photographs go to OUT/work/photos and are reused by the next run with the same OUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-root=$(pwd)
+. tools/peer_venv.sh
 out=${1:?usage: tools/bench_convert.sh OUT [convert_peers options]}
 shift
-venv=${FFCV_VENV:-$HOME/.cache/packed_formats/ffcv-venv}
-
-if [ ! -f "$venv/.ffcv-installed" ]; then
-    echo "tools/bench_convert.sh: FFCV's venv is not built: run tools/bench_ffcv.sh OUT first (once)" >&2
-    exit 2
-fi
-if [ ! -f "$venv/.litdata-installed" ]; then
-    "$venv/bin/python" -m pip install --quiet -c "$root/constraints.txt" litdata
-    touch "$venv/.litdata-installed"
-fi
+peer_venv_ready tools/bench_convert.sh
 
 mkdir -p "$out"
 PYTHONPATH=$root${PYTHONPATH:+:$PYTHONPATH} PYTHONSAFEPATH=1 "$venv/bin/python" -m packed_formats.bench.convert_peers \

@@ -14,20 +14,11 @@
 # and prints the table; the images and every contender's sets stay under OUT/work for the next run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-root=$(pwd)
+. tools/peer_venv.sh
 out=${1:?usage: tools/bench_mixture.sh OUT [mixture options]}
 shift
-venv=${FFCV_VENV:-$HOME/.cache/packed_formats/ffcv-venv}
 site=${MOSAIC_SITE:-$HOME/.cache/packed_formats/mosaic-site}
-
-if [ ! -f "$venv/.ffcv-installed" ]; then
-    echo "tools/bench_mixture.sh: FFCV's venv is not built: run tools/bench_ffcv.sh OUT first (once)" >&2
-    exit 2
-fi
-if [ ! -f "$venv/.litdata-installed" ]; then
-    "$venv/bin/python" -m pip install --quiet -c "$root/constraints.txt" litdata
-    touch "$venv/.litdata-installed"
-fi
+peer_venv_ready tools/bench_mixture.sh
 if [ ! -f "$site/.mosaic-installed" ]; then  # streaming and what it imports (transformers, for a type), no numpy
     "$venv/bin/python" -m pip install --quiet --target "$site" --no-deps -c "$root/constraints.txt" \
         mosaicml-streaming transformers huggingface_hub tokenizers safetensors regex pyyaml hf-xet catalogue \
