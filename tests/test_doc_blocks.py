@@ -253,13 +253,17 @@ HERE = [
     Here("README.rst", "class Tiles("),
     Here("docs/datasets.rst", "pf.PackedDataset(", needs=("train and val",)),
     Here("docs/errors.rst", "pf.CorruptSampleError", needs=("train and val",)),
-    Here("docs/mixtures.rst", "pf.Mixture(", needs=("train and val",)),
+    Here("docs/mixtures.rst", "samples_per_epoch=20", needs=("train and val",)),
+    Here("docs/mixtures.rst", 'batches="per-source"', needs=("train and val",)),
     Here("docs/transforms.rst", "pf.make_loader(", needs=("train and val",)),
     Here("docs/fields.rst", 'pf.open_writer("seg.zip"', given="fields writing"),
     Here("docs/fields.rst", "torch.utils.data.DataLoader(dataset", needs=("fields seg.zip",)),
     Here("docs/fields.rst", "loader = pf.make_loader(", needs=("fields seg.zip",)),
     Here("docs/fields.rst", "packed-formats convert seg.zip seg.lmdb", needs=("seg shards",)),
     Here("docs/fields.rst", "coco-{000..009}.tar", needs=("coco shards",)),
+    Here("docs/fields.rst", 'target="coco"', needs=("coco layout",)),
+    Here("docs/fields.rst", 'size="own"', needs=("coco layout",)),
+    Here("docs/formats.rst", "labelled=False"),
     Here("docs/storage.rst", "pf.stage(", needs=("set",), s3=True),
     Here("docs/threat-model.rst", "pf.open_archive(", needs=("set",), s3=True),
 ]
@@ -291,6 +295,8 @@ NOT_RUN = {
     ("docs/benchmarks.rst", "photos photos.zip"): "a measurement of minutes",
     ("docs/benchmarks.rst", "packed_formats.bench.segmentation"): "a measurement of minutes "
                                                                   "(test_bench_segmentation runs it small)",
+    ("docs/benchmarks.rst", "packed_formats.bench.detection"): "a measurement of minutes "
+                                                               "(test_bench_detection runs it small)",
     ("docs/benchmarks.rst", "tools/bench_gpu.sh"): "a GPU node (test_bench_gpu runs --cpu --quick)",
     ("docs/benchmarks.rst", "PF_BATCH_SLOTS"): "a measurement on an archive the page describes",
     ("docs/benchmarks.rst", "convert_data/images"): "a measurement of minutes",
@@ -300,6 +306,8 @@ NOT_RUN = {
     ("docs/benchmarks.rst", "local_cluster.sh start"): "a measurement under the local Slurm, minutes",
     ("docs/benchmarks.rst", "tools/bench_peers.sh"): "needs FFCV (test_bench_peers runs the harness without it)",
     ("docs/benchmarks.rst", "tools/bench_ffcv.sh"): "needs FFCV",
+    ("docs/benchmarks.rst", "tools/bench_mixture.sh"): "needs litdata and mosaic's streaming (test_bench_mixture runs "
+                                                       "the module's own logic, tiny)",
     ("docs/benchmarks.rst", "tools/bench_convert.sh"): "needs FFCV and litdata (test_bench_convert_peers runs "
                                                        "the harness small)",
     ("docs/conversion.rst", "--python mypkg.data"): "a user's package in a Slurm array (test_python_source runs "
