@@ -21,7 +21,6 @@ import torch
 from PIL import Image
 
 import packed_formats as pf
-from packed_formats.loading.targets import instance_masks
 from tests.test_coco_source import counts_of
 
 v2 = pytest.importorskip("torchvision.transforms.v2")
@@ -30,7 +29,7 @@ tv_tensors = pytest.importorskip("torchvision.tv_tensors")
 SIZES = ((30, 40), (40, 30), (24, 48))  # (height, width): three aspect-ratio bins
 CATEGORIES = ((3, "car"), (8, "truck"))  # COCO ids, not contiguous: labels are their index + 1
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-COCO_FIELDS = {"boxes": "boxes:XYXY", "labels": "value", "image_id": "value", "masks": "mask"}
+COCO_FIELDS = {"boxes": "boxes:XYXY", "labels": "value", "image_id": "value", "masks": "instances"}
 
 
 # ---- the sets, written as the originals are laid out ----------------------------------------------------------
@@ -166,11 +165,6 @@ class SeededByPixels:
         return inputs if len(inputs) > 1 else first
 
 
-def instances(sample: dict) -> dict:
-    """make_loader's ``masks`` field (the COCO importer's instance map) as the reference's N masks [N, H, W]."""
-    return {**sample, "masks": instance_masks(sample["masks"], len(sample["boxes"]))}
-
-
 def detection_train(augmentation: str = "multiscale", flip: float = 0.5, seeded: bool = False):
     """The detection reference's training preset ("multiscale": sizes from 16 to 64, max 80)."""
     steps = [SeededByPixels()] if seeded else []
@@ -258,7 +252,7 @@ def loader_options(workers: int) -> dict:
 def test_detection_evaluation_through_make_loader_equals_the_files(sets, workers):
     root, archive = sets["coco"]
     files = CocoFiles(root, transforms=detection_eval())
-    transform = v2.Compose([instances, detection_eval()])
+    transform = detection_eval()
     batches = list(pf.make_loader(archive, fields=COCO_FIELDS, transform=transform, **loader_options(workers)))
     assert [b["index"].tolist() for b in batches] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
     for batch in batches:
@@ -291,7 +285,7 @@ def test_segmentation_evaluation_through_make_loader_equals_the_files_and_pads_a
 def test_detection_training_with_pinned_draws_equals_the_files(sets, augmentation, flip):
     root, archive = sets["coco"]
     files = CocoFiles(root, transforms=detection_train(augmentation, flip, seeded=True))
-    transform = v2.Compose([instances, detection_train(augmentation, flip, seeded=True)])
+    transform = detection_train(augmentation, flip, seeded=True)
     for batch in pf.make_loader(archive, fields=COCO_FIELDS, transform=transform, **loader_options(0)):
         assert_detection_batch(batch, [files[i] for i in batch["index"].tolist()], masks=True)
 
@@ -312,7 +306,7 @@ def test_detection_training_grouped_by_aspect_ratio_keeps_the_invariants_for_any
     root, archive = sets["coco"]
     sizes = {i: SIZES[i % 3] for i in range(12)}
     options = dict(batch_size=2, size="own", fields=COCO_FIELDS, seed=4, return_index=True,
-                   transform=v2.Compose([instances, detection_train()]), shuffle=pf.GroupByAspectRatio(k=3))
+                   transform=detection_train(), shuffle=pf.GroupByAspectRatio(k=3))
     runs = [list(pf.make_loader(archive, num_workers=workers, **options)) for workers in (0, 2)]
     dropped = 0
     for batch in runs[0]:

@@ -64,7 +64,8 @@ class PackedDataset(torch.utils.data.Dataset):
         verify: check each sample's CRC32 on read (CorruptSampleError on mismatch).
         format: insist on this format (FormatMismatchError otherwise).
         fields: the sample's fields to return besides its image and label (``sample_fields``): names, or
-            ``{name: role}`` for torchvision's tv_tensors (``"mask"``, ``"boxes:XYXY"``, ``"image"``).  Items
+            ``{name: role}`` for torchvision's tv_tensors (``"mask"``, ``"instances"``: an instance map as
+            a ``Mask`` [N,H,W], one mask per box of the boxes field, ``"boxes:XYXY"``, ``"image"``).  Items
             are then dicts of ``image``, ``label`` and each field; ``transform`` gets the whole dict
             (torchvision v2 transforms move masks and boxes with the image), ``target_transform`` the label.
             Batch them with ``collate_fn=dataset.collate``.  Without ``fields`` no field byte is read.
@@ -310,6 +311,11 @@ class PackedDataset(torch.utils.data.Dataset):
                 sample[name] = sample_fields.field_value(spec, role, self.reader.read_field(i, name), self.output,
                                                          canvas, self._channels())
             except (ValueError, codecs.DecodeError) as exc:
+                raise self.reader.sample_error(i, f"field {name!r}: {exc}") from None
+        for name, boxes in sample_fields.instance_boxes(roles).items():  # a mask per box, before any transform
+            try:
+                sample[name] = targets.instance_masks(sample[name], len(sample[boxes]))
+            except ValueError as exc:
                 raise self.reader.sample_error(i, f"field {name!r}: {exc}") from None
         if self.target is not None:
             return self._with_target(sample, i)

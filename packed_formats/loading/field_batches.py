@@ -2,15 +2,16 @@
 transformed together, sent as a few tensors and handed out as one dict per batch.
 
 A worker reads the batch's images as always (a crop-first transform cut while decoding), then each
-sample's fields (``BatchFields.read``): a mask (an image field, or a 2-D array, asked for as
-``"mask"``) is cut from the same box of its image and resized to the same size by nearest neighbour
-(its values are classes), a second view (``"image"``, or an image field asked for as a value) through
-the image's own decode-and-crop, and boxes (``"boxes:FORMAT"``) moved and scaled into the crop.  What
-follows the crop in the transform (a flip, a colour jitter) is a torchvision v2 transform given each
-sample as a dict of tv_tensors (``apply_per_sample``), so masks and boxes move with the image.  The
+sample's fields (``BatchFields.read``): a mask (an image field, or a 2-D array, asked for as ``"mask"``)
+is cut from the same box of its image and resized to the same size by nearest neighbour (its values are
+classes; an instance map, ``"instances"``, too, then split into a mask per box of the sample's boxes
+field, ``targets.instance_masks``), a second view (``"image"``, or an image field asked for as a value)
+through the image's own decode-and-crop, and boxes (``"boxes:FORMAT"``) moved and scaled into the crop.
+What follows the crop in the transform (a flip, a colour jitter) is a torchvision v2 transform given
+each sample as a dict of tv_tensors (``apply_per_sample``), so masks and boxes move with the image.  The
 batch's fields then leave the worker as one tensor per field (``pack``): fixed shapes stacked,
-variable-length ones (boxes, points) as their rows joined and each sample's row count, text and JSON
-as a list, and ``unpack`` makes them the batch's entries again in the main process.
+variable-length ones (boxes, points) as their rows joined and each sample's row count, text and JSON as
+a list, and ``unpack`` makes them the batch's entries again in the main process.
 
 Values asked for as ``"value"`` are passed as stored: an array field is no picture, so no crop applies to
 it.
@@ -32,10 +33,12 @@ from .sample_fields import (
     check_mask_shape,
     field_value,
     image_output,
+    instance_boxes,
     mask_array,
     parse_roles,
     variable,
 )
+from .targets import instance_masks
 
 # Where a sample's image came from: (top, left, height, width) of the stored image, its stored
 # (width, height), and the output (height, width) that box was resized to.
@@ -58,6 +61,7 @@ class BatchFields:
         self.roles: Dict[str, str] = roles
         self.specs: Dict[str, FieldSpec] = {name: by_name[name] for name in roles}
         self.lists = tuple(variable(roles, specs))
+        self.instances = instance_boxes(roles)  # {instance map: its boxes field}
 
     def read(self, reader: Reader, i: int, where: Optional[Where], canvas: Optional[Tuple[int, int]] = None
              ) -> Dict[str, Any]:
@@ -73,9 +77,9 @@ class BatchFields:
             spec, kind = self.specs[name], role.split(":", 1)[0]
             try:
                 value = reader.read_field(i, name)
-                if kind == "mask" and spec.kind == "image":
+                if kind in ("mask", "instances") and spec.kind == "image":
                     out[name] = cut_mask(mask_array(value, size), where)  # its size from its header, first
-                elif kind == "mask":
+                elif kind in ("mask", "instances"):
                     if where is None and size is not None:
                         check_mask_shape(value, size)
                     out[name] = cut_mask(value, where)
@@ -89,6 +93,11 @@ class BatchFields:
                     out[name] = value
             except (ValueError, codecs.DecodeError) as exc:
                 raise reader.sample_error(i, f"field {name!r}: {exc}") from None
+        for name, boxes in self.instances.items():  # cut as a mask, then a mask per box: a transform drops both
+            try:
+                out[name] = instance_masks(out[name], len(out[boxes])).as_subclass(torch.Tensor).numpy()
+            except ValueError as exc:
+                raise reader.sample_error(i, f"field {name!r}: {exc}") from None
         return out
 
     def as_tv_tensors(self, values: Dict[str, Any], canvas: Tuple[int, int]) -> Dict[str, Any]:
@@ -99,7 +108,7 @@ class BatchFields:
         out: Dict[str, Any] = {}
         for name, value in values.items():
             kind = self.roles[name].split(":", 1)[0]
-            if kind == "mask":
+            if kind in ("mask", "instances"):
                 out[name] = tv_tensors.Mask(torch.from_numpy(value))
             elif kind == "boxes":
                 out[name] = field_value(self.specs[name], self.roles[name], value, "tensor", canvas)
@@ -114,7 +123,8 @@ class BatchFields:
     def pack(self, samples: List[Dict[str, Any]], own_sizes: bool = False) -> Dict[str, Any]:
         """The batch's fields as few tensors (what a worker sends): {name: ("stack", tensor) | ("rows",
         joined rows, row counts) | ("each", joined values, their shapes) | ("list", values)}; ``own_sizes``:
-        the images keep their own sizes, and so masks and second views (``image_lists.join``).  ValueError
+        the images keep their own sizes, and so masks and second views (``image_lists.join``; instance masks,
+        [N,H,W] of any N, are always sent so).  ValueError
         naming the field when fixed-shape values differ in shape (a mask not cut to the image's size)."""
         packed: Dict[str, Any] = {}
         for name, spec in self.specs.items():
@@ -124,7 +134,8 @@ class BatchFields:
                 continue
             arrays = [v.as_subclass(torch.Tensor) if isinstance(v, torch.Tensor) else torch.from_numpy(
                 np.ascontiguousarray(v)) for v in values]
-            if own_sizes and (self.roles[name] in ("mask", "image") or spec.kind == "image"):
+            own = own_sizes and (self.roles[name] in ("mask", "image") or spec.kind == "image")
+            if own or name in self.instances:  # instance masks: [N,H,W], N each sample's own
                 packed[name] = ("each", *join(arrays))
                 continue
             if name in self.lists:
@@ -174,7 +185,7 @@ def _as_role(stacked: torch.Tensor, role: str) -> torch.Tensor:
         return stacked
     from torchvision import tv_tensors
 
-    return tv_tensors.Mask(stacked) if kind == "mask" else tv_tensors.Image(stacked)
+    return tv_tensors.Mask(stacked) if kind in ("mask", "instances") else tv_tensors.Image(stacked)
 
 
 def cut_mask(mask: np.ndarray, where: Optional[Where]) -> np.ndarray:

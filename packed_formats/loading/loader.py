@@ -612,10 +612,11 @@ def make_loader(
             such slots (``slots``): the main process maps each once and receives a batch as its
             slot's number, the tensors it hands on views of the slot.
         fields: sample fields each batch carries besides images and labels (``PackedDataset``'s
-            ``fields``: names, or ``{name: role}`` with roles "value", "mask", "image" and
+            ``fields``: names, or ``{name: role}`` with roles "value", "mask", "instances" (an
+            instance map as a ``Mask`` [N,H,W], one mask per box of the boxes field), "image" and
             "boxes:XYXY"/"XYWH"/"CXCYWH").  Batches are then dicts: ``image`` and ``label`` as
             always, masks and other fixed-shape fields stacked (``[B,H,W]``), variable-length ones
-            (boxes, points) as lists of each sample's tensor, text and JSON as lists, and ``index``
+            (boxes, points, instance masks) as lists of each sample's tensor, text and JSON as lists, and ``index``
             with ``return_index``.  Masks, second views and boxes are cut with their image: by the
             crop a crop-first transform makes while decoding, and by ``size``.  The transform is
             then a torchvision v2 transform given each sample's dict of tv_tensors after that crop

@@ -7,6 +7,9 @@ asked for.  Each field is asked for with a *role* saying what it becomes:
   sample's image is given (RGB, whatever the file's own mode), an array field as a tensor, text as str,
   JSON as its value, bytes as bytes;
 * ``"mask"``: a ``tv_tensors.Mask`` (an image field's one channel, or a 2-D array field);
+* ``"instances"``: an instance map (an image field's one channel, or a 2-D integer array field: 0 where no
+  instance is, k + 1 where box k's is) as a ``tv_tensors.Mask`` of N uint8 masks [N, H, W], N the boxes of
+  the request's boxes field (``targets.instance_masks``), so that a transform dropping a box drops its mask;
 * ``"boxes:FORMAT"``: a ``tv_tensors.BoundingBoxes`` of an ``[N, 4]`` array field in ``FORMAT`` (XYXY,
   XYWH or CXCYWH) on the sample image's canvas;
 * ``"image"``: a ``tv_tensors.Image`` (a second view; beside a PIL image, a PIL image).
@@ -27,7 +30,7 @@ import torch
 from .. import codecs, policy
 from ..fields import BOX_FORMATS, FieldSpec
 
-ROLES = ("value", "mask", "image", "boxes")
+ROLES = ("value", "mask", "instances", "image", "boxes")
 
 
 def parse_roles(fields: "Sequence[str] | Mapping[str, str] | None", specs: Sequence[FieldSpec],
@@ -51,12 +54,29 @@ def parse_roles(fields: "Sequence[str] | Mapping[str, str] | None", specs: Seque
                              f"of {BOX_FORMATS}, as boxes:XYXY; got {role!r}")
         if kind == "mask" and not (spec.kind == "image" or (spec.kind == "array" and len(spec.shape or ()) in (2, 3))):
             raise ValueError(f"field {name!r} ({spec.describe()}): a mask is an image field or a 2-D or 3-D array")
+        if kind == "instances" and not (spec.kind == "image" or (spec.kind == "array" and len(spec.shape or ()) == 2
+                                                                 and np.dtype(spec.dtype).kind in "iu")):
+            raise ValueError(f"field {name!r} ({spec.describe()}): an instance map is an image field or a 2-D integer "
+                             "array")
         if kind == "image" and spec.kind != "image":
             raise ValueError(f"field {name!r} ({spec.describe()}): only an image field is an image")
         if kind != "value" and output == "numpy":  # v2 transforms take a PIL image or a tensor, never numpy
             raise ValueError(f"field {name!r}: tv_tensors roles need output='pil' or 'tensor' (torchvision's v2 "
                              f"transforms pass numpy images through unchanged), got output={output!r}")
+    instance_boxes(roles)
     return roles
+
+
+def instance_boxes(roles: Mapping[str, str]) -> Dict[str, str]:
+    """{instance map field: the boxes field whose boxes it splits into} for the ``"instances"`` roles of
+    ``roles``; ValueError naming the field unless the request has exactly one boxes field."""
+    maps = [name for name, role in roles.items() if str(role).split(":", 1)[0] == "instances"]
+    boxes = [name for name, role in roles.items() if str(role).split(":", 1)[0] == "boxes"]
+    if maps and len(boxes) != 1:
+        found = f"got {len(boxes)}: {', '.join(boxes)}" if boxes else "got none"
+        raise ValueError(f"field {maps[0]!r}: an instance map (\"instances\") is split into one mask per box, so the "
+                         f"request needs one boxes field beside it (such as {{'boxes': 'boxes:XYXY'}}); {found}")
+    return {name: boxes[0] for name in maps}
 
 
 def uses_tv_tensors(roles: Optional[Dict[str, str]]) -> bool:
@@ -79,7 +99,7 @@ def field_value(spec: FieldSpec, role: str, value: Any, output: str, canvas: Tup
         return tv_tensors.BoundingBoxes(torch.from_numpy(value), format=role.split(":", 1)[1].upper(),
                                         canvas_size=canvas)
     size = (canvas[1], canvas[0])  # a mask or a view is its image's size (torchvision's v2 transforms need it so)
-    if kind == "mask":
+    if kind in ("mask", "instances"):  # an instance map as stored: the caller splits it (``instance_boxes``)
         if spec.kind == "image":
             return tv_tensors.Mask(torch.from_numpy(mask_array(value, size)))
         check_mask_shape(value, size)
@@ -158,9 +178,11 @@ def collate(samples: List[Dict[str, Any]], lists: Sequence[str] = ()) -> Dict[st
 
 
 def variable(roles: Mapping[str, str], specs: Sequence[FieldSpec]) -> List[str]:
-    """The fields of ``roles`` whose values vary in length from sample to sample (batched as lists)."""
+    """The fields of ``roles`` whose values vary in length from sample to sample (batched as lists): arrays
+    of any number of rows, and instance maps split into a mask per box."""
     by_name = {spec.name: spec for spec in specs}
-    return [name for name in roles if by_name[name].kind == "array" and not by_name[name].fixed]
+    return [name for name in roles if (by_name[name].kind == "array" and not by_name[name].fixed)
+            or str(roles[name]).split(":", 1)[0] == "instances"]
 
 
 def _rewrap(like: torch.Tensor, stacked: torch.Tensor) -> torch.Tensor:

@@ -12,13 +12,15 @@ the COCO and VOC importers write, so no wrapper is needed:
 * ``area``: the ``area`` field, float32 [N], or each box's area where there is none;
 * ``iscrowd``: the ``iscrowd`` field, int64 [N], or zeros where there is none;
 * ``masks``: where the archive has a ``masks`` field (the COCO importer's instance map, box k's
-  instance ``k + 1``), a ``tv_tensors.Mask`` of N uint8 masks [N, H, W], box k's ``masks[k]``.
+  instance ``k + 1``), a ``tv_tensors.Mask`` of N uint8 masks [N, H, W], box k's ``masks[k]`` (read with
+  the ``"instances"`` role, as ``fields=`` reads such a map).
 """
 
 from __future__ import annotations
 
 from typing import Any, Dict, Optional, Sequence
 
+import numpy as np
 import torch
 
 from ..fields import FieldSpec
@@ -43,12 +45,13 @@ def coco_roles(names: "Sequence[str] | None", specs: Sequence[FieldSpec]) -> Dic
         listed = ", ".join(there) or "none"
         raise ValueError(f"target='coco' needs the fields boxes (array [N,4], XYXY) and labels (array [N]), as "
                          f"the COCO and VOC importers write them; this archive's fields: {listed}")
-    return {name: "boxes:XYXY" if name == "boxes" else "mask" if name == "masks" else "value" for name in names}
+    return {name: "boxes:XYXY" if name == "boxes" else "instances" if name == "masks" else "value" for name in names}
 
 
 def coco_target(sample: Dict[str, Any], index: int) -> Dict[str, Any]:
     """The target dict of a sample dict (``image`` popped by the caller, ``label`` dropped) read with
-    ``coco_roles``'s roles; ``index`` is the sample's, its ``image_id`` where the archive records none."""
+    ``coco_roles``'s roles (``masks`` already split into N masks, as the ``"instances"`` role gives them);
+    ``index`` is the sample's, its ``image_id`` where the archive records none."""
     boxes = sample["boxes"]
     target: Dict[str, Any] = {"boxes": boxes, "labels": sample["labels"]}
     image_id: Optional[torch.Tensor] = sample.get("image_id")
@@ -60,16 +63,29 @@ def coco_target(sample: Dict[str, Any], index: int) -> Dict[str, Any]:
         target["area"] = ((plain[:, 2] - plain[:, 0]) * (plain[:, 3] - plain[:, 1])).to(torch.float32)
     target["iscrowd"] = sample["iscrowd"] if "iscrowd" in sample else torch.zeros(len(boxes), dtype=torch.int64)
     if "masks" in sample:
-        target["masks"] = instance_masks(sample["masks"], len(boxes))
+        target["masks"] = sample["masks"]
     return target
 
 
-def instance_masks(instance_map: torch.Tensor, count: int) -> Any:
-    """An instance map (0 where no instance is, k + 1 where box k's is) as ``count`` uint8 masks [N, H, W]."""
+def instance_masks(instance_map: "torch.Tensor | np.ndarray", count: int) -> Any:
+    """An instance map (0 where no instance is, k + 1 where box k's is) as ``count`` uint8 masks [N, H, W]
+    (a ``tv_tensors.Mask``).  ValueError when the map holds an instance above ``count``: a map and boxes
+    that do not go together, whose masks would be silently lost."""
     from torchvision import tv_tensors
 
-    plain = instance_map.as_subclass(torch.Tensor)
-    if plain.ndim == 3:  # [1, H, W]: an image field's one channel
+    if isinstance(instance_map, np.ndarray):  # int64: every stored integer compares (a uint64 too big wraps, < 0)
+        plain = torch.from_numpy(instance_map.astype(np.int64))
+    else:
+        plain = instance_map.as_subclass(torch.Tensor).to(torch.int64)
+    if plain.ndim == 3 and plain.shape[0] == 1:  # [1, H, W]: an image field's one channel
         plain = plain[0]
-    ids = torch.arange(1, count + 1, dtype=torch.int32).reshape(-1, 1, 1)  # int32: a 16-bit map compares too
-    return tv_tensors.Mask((plain.to(torch.int32).unsqueeze(0) == ids).to(torch.uint8))
+    if plain.ndim != 2:
+        raise ValueError(f"an instance map is one channel [H, W], got shape {list(plain.shape)}")
+    lowest, highest = (int(plain.min()), int(plain.max())) if plain.numel() else (0, 0)
+    if lowest < 0:
+        raise ValueError(f"the instance map holds {lowest}: instances are 0 (none) or k + 1 (box k's)")
+    if highest > count:
+        raise ValueError(f"the instance map holds instance {highest} for {count} boxes (instance k + 1 is box "
+                         "k's): the map and its boxes do not go together; convert the archive again")
+    ids = torch.arange(1, count + 1, dtype=torch.int64).reshape(-1, 1, 1)
+    return tv_tensors.Mask((plain.unsqueeze(0) == ids).to(torch.uint8))
