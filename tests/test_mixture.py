@@ -570,3 +570,26 @@ def test_a_window_state_is_refused_by_the_same_sources_cut_into_other_parts(part
         make(pf.Mixture({recut[0]: 2, recut[1]: 1}), **options).load_state_dict(state)
     same = sharded(tmp_path / "a.zip", 0, 24, 4), sharded(tmp_path / "b.zip", 1, 12, 3)
     make(pf.Mixture({same[0]: 2, same[1]: 1}), **options).load_state_dict(state)  # a copy cut alike: taken
+
+
+def test_sets_read_window_by_window_together_are_warned_of_when_their_windows_overflow_the_one_cache():
+    """Each source of a mixture fits the cache on its own, but their windows are open at once."""
+    import warnings
+    from types import SimpleNamespace
+
+    from packed_formats import storage
+
+    mb = 1 << 20
+
+    def remote_set(name: str):  # what the check reads of a RemoteSetBackend: its cache and its parts' sizes
+        return SimpleNamespace(url=name, cache=SimpleNamespace(limit=10 * mb),
+                               remote_parts=[SimpleNamespace(info=SimpleNamespace(size=mb))] * 8)
+
+    sets = [remote_set("s3://b/a.zip"), remote_set("s3://b/b.zip")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        storage.warn_if_windows_thrash(sets, window=2)  # 2 x 2 windows of 2 parts: 8 MiB of 10
+        for one in sets:
+            storage.warn_if_cache_thrashes(one, "window", 4, 64)  # alone, two windows of 4 fit
+    with pytest.warns(storage.CacheThrashWarning, match=r"2 sets .* window of 4 parts each.*use window=2"):
+        storage.warn_if_windows_thrash(sets, window=4)

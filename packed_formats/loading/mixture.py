@@ -411,6 +411,8 @@ class MixtureBackend(ShardedBackend):
             if shuffle == "window" and backend.max_open_parts is None:
                 backend.limit_open_parts(window + 1)
             storage.warn_if_cache_thrashes(backend, shuffle, window, batch_size)
+        if shuffle == "window" and len(remote) > 1:  # their windows are read at once, through the one cache
+            storage.warn_if_windows_thrash(remote, window)
         return storage.Prefetcher(MixtureParts(self), lag=lag) if remote else None
 
     def open(self) -> ShardedHandle:

@@ -18,6 +18,7 @@ from .remote_set import (
     reopen_options,
     stage_remote,
     warn_if_cache_thrashes,
+    warn_if_windows_thrash,
 )
 from .upload import upload
 from .urls import clean_url, is_remote, redact
@@ -41,4 +42,5 @@ __all__ = [
     "stage_remote",
     "upload",
     "warn_if_cache_thrashes",
+    "warn_if_windows_thrash",
 ]

@@ -41,7 +41,7 @@ import json
 import os
 import re
 import zlib
-from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple, cast
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, cast
 
 import numpy as np
 
@@ -210,6 +210,27 @@ def warn_if_cache_thrashes(backend: "RemoteSetBackend", shuffle: Any, window: in
         f"{human_bytes(limit)} downloads about {human_bytes(downloaded)} an epoch ({downloaded / total:.1f}x the "
         f"set): most batches read parts the cache has let go. shuffle='window' with window={max(1, fits // 2)} "
         "fetches each part once an epoch", CacheThrashWarning, stacklevel=3)
+
+
+def warn_if_windows_thrash(backends: Sequence["RemoteSetBackend"], window: int) -> None:
+    """Warn when the sets of a mixture, each read window by window at the same time through one cache,
+    need more room together than it has: two windows of each (at a window's end the next one opens)."""
+    import warnings
+
+    from ..space import human_bytes
+
+    limit = min((b.cache.limit for b in backends if b.cache.limit is not None), default=None)
+    if limit is None:
+        return
+    per_part = [sum(p.info.size for p in b.remote_parts) / max(1, len(b.remote_parts)) for b in backends]
+    needed = sum(min(2 * window, len(b.remote_parts)) * size for b, size in zip(backends, per_part))
+    if needed <= limit:
+        return
+    fits = max(1, int(limit // max(1.0, 2 * sum(per_part))))
+    warnings.warn(f"{len(backends)} sets in object storage read together, a window of {window} parts each, need "
+                  f"about {human_bytes(needed)} of cache at once (two windows of each), more than its "
+                  f"{human_bytes(limit)}: parts will be fetched more than once an epoch; use window={fits} or a "
+                  "larger cache_limit", CacheThrashWarning, stacklevel=3)
 
 
 def reopen_options(reader: Reader) -> Dict[str, Any]:
