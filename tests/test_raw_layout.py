@@ -197,12 +197,14 @@ def small_folder(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_convert_writes_planar_sets_and_the_command_line_asks_for_them(small_folder, tmp_path):
+def test_convert_writes_planar_sets_and_the_command_line_asks_for_them(small_folder, tmp_path, capsys):
     hwc = tmp_path / "hwc.zip"
-    pf.convert(small_folder, hwc, mode="raw", size=12, shard_size=4, workers=1, quiet=True)
+    assert "raw 12x12x3 in" in pf.convert(small_folder, hwc, mode="raw", size=12, shard_size=4, workers=1,
+                                          quiet=True).line()
     chw = tmp_path / "chw.zip"
     assert cli.main(["convert", small_folder, str(chw), "--mode", "raw", "--size", "12", "--shard-size", "4",
-                        "--raw-layout", "chw", "--workers", "1", "--quiet"]) == 0
+                        "--raw-layout", "chw", "--workers", "1"]) == 0
+    assert "raw 12x12x3, stored planar in 5 parts" in capsys.readouterr().out  # the summary says so
     with pf.open_archive(hwc) as a, pf.open_archive(chw) as b:
         assert b.manifest.raw_layout == "chw" and len(b.backend.parts) == 5  # 18 samples, 4 a part
         assert all(part.manifest.raw_layout == "chw" for part in b.backend.parts)

@@ -269,7 +269,6 @@ def convert(
                          if parts else set())  # a new set's parts and its sample index
     for stale in set(replaced_parts) - kept:
         remove_path(stale)  # files of a sharded archive this conversion replaced
-    h, w = recipe.size or (0, 0)
     return ConvertSummary(
         source=shown,
         destination=dst,
@@ -282,7 +281,7 @@ def convert(
         failed=failed,
         bytes=disk_usage(dst),
         seconds=time.perf_counter() - started,
-        layout=f"raw {h}x{w}x3" if recipe.mode == "raw" else f"encoded {_encoding_label(recipe)}",
+        layout=_layout_label(recipe),
         parts=parts,
     )
 
@@ -330,12 +329,11 @@ def _convert_part(source: Source, shown: str, dst: str, format: str, recipe: Rec
     if kept:
         note += f", {len(kept)} already sealed and left as they were"
     note += "; every part sealed: the set is joined" if joined else "; the set is joined once every part is sealed"
-    h, w = recipe.size or (0, 0)
     return ConvertSummary(
         source=shown, destination=dst, format=format, mode=recipe.mode, samples=written,
         classes=len(source.classes), skipped=source.skipped, skipped_names=source.skipped_names, failed=failed,
         bytes=sum(disk_usage(p) for p in done), seconds=time.perf_counter() - started,
-        layout=f"raw {h}x{w}x3" if recipe.mode == "raw" else f"encoded {_encoding_label(recipe)}",
+        layout=_layout_label(recipe),
         parts=done, note=note,
     )
 
@@ -548,6 +546,14 @@ def _recipe(source: Source, mode: str, size, resize_mode: str, encoding: str, qu
             raise ValueError("raw mode needs --size (e.g. --size 256 or --size 256x192)")
         hw = source.raw_shape[:2]
     return Recipe(mode=mode, size=hw, resize_mode=resize_mode, encoding=encoding, quality=quality)
+
+
+def _layout_label(recipe: Recipe) -> str:
+    """What a sample is, for the summary: "raw 256x256x3" (", stored planar"), or "encoded ..."."""
+    if recipe.mode != "raw":
+        return f"encoded {_encoding_label(recipe)}"
+    h, w = recipe.size or (0, 0)
+    return f"raw {h}x{w}x3" + (", stored planar" if recipe.raw_layout == "chw" else "")
 
 
 def _encoding_label(recipe: Recipe) -> str:
