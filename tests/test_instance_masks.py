@@ -52,12 +52,16 @@ def check_aligned(boxes, labels, masks, before) -> int:
 def test_a_dropped_box_takes_its_mask_with_it_where_a_plain_mask_would_give_the_wrong_one(tmp_path):
     path = write(tmp_path / "det.zip", [THIN_AND_SQUARE])
     transform = v2.Compose([v2.Resize(10), v2.SanitizeBoundingBoxes()])
-    plain = pf.PackedDataset(path, output="tensor", fields={**ROLES, "masks": "mask"}, transform=transform)[0]
-    assert plain["boxes"].tolist() == [[5, 5, 9, 9]] and plain["masks"].shape == (10, 10)
-    wrong = plain["masks"] == 1  # split after the drop: the thin strip's mask for the square
-    assert wrong[:, 1].any() and not wrong[5:9, 5:9].any()
-    with pytest.raises(ValueError, match="instance 2 for 1 boxes"):  # the split refuses such a map
-        instance_masks(plain["masks"], 1)
+    try:
+        plain = pf.PackedDataset(path, output="tensor", fields={**ROLES, "masks": "mask"}, transform=transform)[0]
+    except IndexError:  # torchvision 0.23 (the floor tier's): Sanitize indexes every Mask by the boxes kept
+        plain = None
+    if plain is not None:  # a newer one leaves a Mask that is not one mask a box as it is
+        assert plain["boxes"].tolist() == [[5, 5, 9, 9]] and plain["masks"].shape == (10, 10)
+        wrong = plain["masks"] == 1  # split after the drop: the thin strip's mask for the square
+        assert wrong[:, 1].any() and not wrong[5:9, 5:9].any()
+        with pytest.raises(ValueError, match="instance 2 for 1 boxes"):  # the split refuses such a map
+            instance_masks(plain["masks"], 1)
     for output in ("tensor", "pil"):
         sample = pf.PackedDataset(path, output=output, fields=ROLES, transform=transform)[0]
         assert sample["boxes"].tolist() == [[5, 5, 9, 9]] and sample["labels"].tolist() == [2]

@@ -277,7 +277,7 @@ class MixtureDraw:
         if not shuffle:
             return np.tile(np.arange(size, dtype=np.int64), last - first + 1)
         if shuffle == "window":
-            source_seed = int(np.random.SeedSequence([seed, k, 0x3D0]).generate_state(1, np.uint64)[0] >> 2)
+            source_seed = int(np.random.SeedSequence([seed, k, 0x3D0]).generate_state(1, np.uint64)[0]) >> 2
             starts = np.asarray(self.part_starts[k], dtype=np.int64)
             return np.concatenate([window_order(starts, epoch=p % 2**62, seed=source_seed, window=self.window)
                                    for p in range(first, last + 1)])
