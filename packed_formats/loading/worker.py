@@ -31,7 +31,7 @@ from ..policy import Skipped
 from ..transforms import apply_with_labels
 from ..transforms.at_decode import CropAtDecode, split_at_decode
 from ..transforms.labels import takes_labels
-from ..transforms.ops import is_batch_transform
+from ..transforms.ops import each_image, is_batch_transform
 from . import device_decode
 from .device_decode import EncodedBatch
 from .field_batches import BatchFields, Where, apply_per_sample
@@ -593,14 +593,8 @@ def _per_image(transform: Callable, fields: Optional[BatchFields], images: List[
     the images it gave, and the fields.  TypeError for a result that is not a tensor."""
     if fields is not None and values is not None:
         return apply_per_sample(transform, fields, images, labels, values, stack=False)
-    outputs = []
-    for image in images:
-        output = transform(image)
-        if not isinstance(output, torch.Tensor):
-            raise TypeError(f"the transform {transform!r} returned {type(output).__name__}, not a tensor: "
-                            "make_loader takes each image's result as a [C,H,W] tensor")
-        outputs.append(output.as_subclass(torch.Tensor))
-    return outputs, values
+    outputs = each_image(transform, images, "make_loader takes each image's result as a [C,H,W] tensor")
+    return [output.as_subclass(torch.Tensor) for output in outputs], values
 
 
 def copy_between_layouts(out: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
@@ -628,4 +622,3 @@ def one_torch_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
-

@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import inspect
 import math
-from typing import Callable, List, Optional, Sequence, Tuple, Union, cast
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple, Union, cast
 
 import numpy as np
 import torch
@@ -150,21 +150,25 @@ def apply_with_labels(
     return apply_transform(transform, images, generator, allocate), labels
 
 
-def per_sample(transform: Callable, batch: torch.Tensor) -> torch.Tensor:
-    """``transform`` applied to each [C,H,W] image of ``batch``, the results stacked into a batch."""
+def each_image(transform: Callable, images: Iterable[torch.Tensor], then: str) -> List[torch.Tensor]:
+    """``transform`` applied to each [C,H,W] image of ``images`` on its own: what it gave for each.  TypeError
+    saying why for a transform that fails on an image or gives no tensor (``then``: what is done with them)."""
     check_images_only(transform)
     outputs = []
-    for image in batch:
+    for image in images:
         try:
             output = transform(image)
         except TypeError as exc:
             raise TypeError(_per_image_failure(transform, image, exc)) from exc
         if not isinstance(output, torch.Tensor):
-            raise TypeError(
-                f"the transform {transform!r} returned {type(output).__name__}, not a tensor: make_loader stacks "
-                "each image's result into a batch"
-            )
+            raise TypeError(f"the transform {transform!r} returned {type(output).__name__}, not a tensor: {then}")
         outputs.append(output)
+    return outputs
+
+
+def per_sample(transform: Callable, batch: torch.Tensor) -> torch.Tensor:
+    """``transform`` applied to each [C,H,W] image of ``batch``, the results stacked into a batch."""
+    outputs = each_image(transform, batch, "make_loader stacks each image's result into a batch")
     if not outputs:
         return batch
     shapes = {tuple(o.shape) for o in outputs}
