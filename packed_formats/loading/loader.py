@@ -77,7 +77,7 @@ from .sampling import (
     share_length,
 )
 from .slots import BatchSlots
-from .worker import BatchReader, FailedBatch
+from .worker import BatchReader, FailedBatch, decodes_each
 from .worker_context import worker_context
 
 __all__ = [
@@ -677,7 +677,8 @@ def make_loader(
     rank, world = placement or (0, 1)  # torch.distributed's is taken when an epoch starts: PackedLoader._find_rank
     # the workers make the batches whole with fields, lists of images, or a per-image transform of
     # encoded images of any sizes, for any device
-    whole = batch_fields is not None or own or _per_image_at_any_size(reader, decode_size, decode, transform)
+    each = decode == "workers" and decodes_each(reader, decode_size, transform, fields=False)
+    whole = batch_fields is not None or own or each
     send = "batches" if whole else _what_workers_send(reader, decode, device, transform, decode_size)
     if send == "bytes":
         check_decoder()
@@ -748,16 +749,6 @@ def _check_own(size: str, transform: Optional[Callable], decode: str, memory_for
             f"size='own' gives images of different sizes, which no batch transform takes: "
             f"{type(transform).__name__} takes whole batches. Give a transform of one image (a torchvision v2 "
             "transform; with fields, of each sample's dict)")
-
-
-def _per_image_at_any_size(reader: Reader, size: Optional[Tuple[int, int]], decode: str,
-                           transform: Optional[Callable]) -> bool:
-    """Whether the workers decode each image at its own size and run ``transform`` on it (``BatchReader``'s
-    ``each``), for any device: an encoded archive with no decode size, decoded in the workers, and a
-    transform of one image at a time that does not start with a crop (that one is cut while decoding)."""
-    return (reader.mode != "raw" and size is None and decode == "workers" and transform is not None
-            and not is_batch_transform(transform) and not takes_labels(transform)
-            and split_at_decode(transform) is None)
 
 
 def _worker_slots(num_workers: int, device: torch.device, registered: bool,

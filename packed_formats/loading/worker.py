@@ -127,11 +127,8 @@ class BatchReader(torch.utils.data.Dataset):
         self.at_decode = split_at_decode(transform) if reader.mode != "raw" and size is None else None
         self.send = send if reader.mode != "raw" else "batches"
         self.own_sizes = own_sizes
-        per_image = transform is not None and (fields is not None or not (
-            is_batch_transform(transform) or takes_labels(transform)))
         # images read one by one at their own sizes (``_each_batch``)
-        self.each = self.send == "batches" and (own_sizes or (
-            reader.mode != "raw" and size is None and self.at_decode is None and per_image))
+        self.each = self.send == "batches" and (own_sizes or decodes_each(reader, size, transform, fields is not None))
         # which samples the device may decode, found once per loader (1: a JPEG the strict check read
         # whole): a byte each, in memory every worker shares, so that no sample is checked twice
         self.taken = torch.zeros(len(reader) if self.send == "bytes" else 0, dtype=torch.uint8).share_memory_()
@@ -585,6 +582,15 @@ class BatchReader(torch.utils.data.Dataset):
 
     def _skipped(self, exc: CorruptSampleError, i: int) -> Skipped:
         return Skipped(self.reader.path, i, self.reader.key(i), exc.problem)
+
+
+def decodes_each(reader: Reader, size: Optional[Tuple[int, int]], transform: Optional[Callable],
+                 fields: bool) -> bool:
+    """Whether an encoded archive's images are decoded one by one, each at its own size, for ``transform`` to
+    run on each (``BatchReader._each_batch``): no decode size, no first crop (that one is cut while
+    decoding), and a transform of one image at a time (with ``fields``, any: it gets each sample's dict)."""
+    return (reader.mode != "raw" and size is None and transform is not None and split_at_decode(transform) is None
+            and (fields or not (is_batch_transform(transform) or takes_labels(transform))))
 
 
 def _per_image(transform: Callable, fields: Optional[BatchFields], images: List[torch.Tensor], labels: torch.Tensor,
