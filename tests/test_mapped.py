@@ -20,10 +20,10 @@ def write_rows(path, positions, nbytes, size=None):
     return rows
 
 
-@pytest.mark.parametrize("with_torch", [True, False], ids=["torch", "numpy"])
+@pytest.mark.parametrize("with_torch", [True, False], ids=["torch-imported", "numpy-only"])
 @pytest.mark.parametrize("positions", [[7, 107, 207, 307, 407], [3, 90, 250, 260, 400]], ids=["even", "uneven"])
 def test_a_gather_returns_the_rows_at_their_positions_in_the_asked_order(tmp_path, monkeypatch, positions, with_torch):
-    """With torch where the process imported it, with numpy where it did not (the same rows)."""
+    """Whether or not the process imported torch (uneven rows are then cut with torch), the same rows."""
     monkeypatch.setattr(mapped, "torch_imported", lambda: with_torch)
     path = tmp_path / "rows.bin"
     rows = write_rows(path, positions, 10)
