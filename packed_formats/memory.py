@@ -26,6 +26,7 @@ import functools
 import math
 import os
 import sys
+import threading
 import uuid
 import warnings
 import weakref
@@ -102,12 +103,14 @@ class ReusedBuffers:
     batch the caller keeps is never overwritten, and a loop that drops its
     batches reads each new one into memory whose pages are already there
     (a fresh 50 MB batch costs ~6 ms of page faults, ~as much as reading it).
-    Not shared between processes: make one per process.
+    Not shared between processes: make one per process.  Threads may share
+    one: a buffer is handed to one taker at a time.
     """
 
     def __init__(self, keep: int = 4) -> None:
         self.keep = keep
         self._buffers: List[Tuple[np.ndarray, Optional[weakref.ref]]] = []
+        self._lock = threading.Lock()
 
     def take(
         self,
@@ -118,17 +121,17 @@ class ReusedBuffers:
         """A ``shape`` tensor of ``dtype`` (channels-last in memory when asked for a [B,C,H,W] one)."""
         shape = tuple(int(n) for n in shape)
         layout = _layout(shape, memory_format)
-        nbytes = math.prod(layout) * torch.empty(0, dtype=dtype).element_size()
-        free = [k for k, (base, user) in enumerate(self._buffers)
-                if (user is None or user() is None) and base.nbytes >= nbytes]
-        if free:  # the smallest that fits, so that a small read does not take a big result's buffer
-            k = min(free, key=lambda k: self._buffers[k][0].nbytes)
-            return self._hand_out(k, self._buffers[k][0], nbytes, layout, dtype, shape)
-        base = empty((max(nbytes, 1),)).numpy()
-        if len(self._buffers) < self.keep:
-            self._buffers.append((base, None))
-            return self._hand_out(len(self._buffers) - 1, base, nbytes, layout, dtype, shape)
-        return _typed(torch.from_numpy(base[:nbytes]), layout, dtype, shape)
+        nbytes = math.prod(layout) * dtype.itemsize
+        with self._lock:
+            free = [k for k, (base, user) in enumerate(self._buffers)
+                    if (user is None or user() is None) and base.nbytes >= nbytes]
+            if free:  # the smallest that fits, so that a small read does not take a big result's buffer
+                k = min(free, key=lambda k: self._buffers[k][0].nbytes)
+                return self._hand_out(k, self._buffers[k][0], nbytes, layout, dtype, shape)
+            if len(self._buffers) < self.keep:
+                self._buffers.append((empty((max(nbytes, 1),)).numpy(), None))
+                return self._hand_out(len(self._buffers) - 1, self._buffers[-1][0], nbytes, layout, dtype, shape)
+        return _typed(empty((max(nbytes, 1),))[:nbytes], layout, dtype, shape)
 
     def _hand_out(self, k: int, base: np.ndarray, nbytes: int, layout, dtype, shape) -> torch.Tensor:
         view = base[:nbytes]
@@ -355,7 +358,7 @@ class SlotPool:
         when asked for a [B,C,H,W] one), or None."""
         shape = tuple(int(n) for n in shape)
         layout = _layout(shape, memory_format)
-        nbytes = math.prod(layout) * torch.empty(0, dtype=dtype).element_size()
+        nbytes = math.prod(layout) * dtype.itemsize
         worker = self._worker()
         if worker is None or nbytes < self.min_bytes:
             return None

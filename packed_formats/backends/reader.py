@@ -363,9 +363,19 @@ class Reader:
         if len(indices):
             with named_failures(self.path, "cannot read a batch of samples"):
                 self.backend.read_batch(handle, indices, out)
-            for j, i in enumerate(indices):
-                self._verify(int(i), out[j])
+            for j in self._unverified(indices):
+                self._verify(int(indices[j]), out[j])
         return out
+
+    def _unverified(self, indices: np.ndarray) -> "Sequence[int] | np.ndarray":
+        """The places in ``indices`` whose samples the verify policy still has to check: none without
+        verify, those not yet checked with "once" (found for the whole batch at once), else all."""
+        if self.verify is False:
+            return ()
+        if self.verify == "once":
+            verified = self._verified.get()
+            return np.flatnonzero(((verified[indices >> 3] >> (indices & 7).astype(np.uint8)) & 1) == 0)
+        return range(len(indices))
 
     @drops_frames
     def read_many_planar(self, idx: "Sequence[int] | np.ndarray", out: np.ndarray,

@@ -173,7 +173,7 @@ class BatchSlots:
         for a [B,C,H,W] one), or None."""
         shape = tuple(int(n) for n in shape)
         layout = _layout(shape, memory_format)
-        nbytes = int(np.prod(layout, dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
+        nbytes = int(np.prod(layout, dtype=np.int64)) * dtype.itemsize
         worker = self._worker()
         if worker is None or nbytes < max(1, self.min_bytes):
             return None
@@ -541,5 +541,5 @@ class _SlotUnpickler(pickle.Unpickler):
             return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).view(shape) if data else \
                 torch.empty(shape, dtype=dtype)
         _, place, offset, dtype, shape, stride = pid
-        size = torch.empty(0, dtype=dtype).element_size()
+        size = dtype.itemsize
         return torch.empty(0, dtype=dtype).set_(self.storages[place], offset // size, shape, stride)
