@@ -155,6 +155,9 @@ def test_a_too_small_free_slot_is_replaced(as_worker):
 
 
 def pooled_loader(path, **options):
+    """A loader whose worker processes send batches in slots (raw batches would otherwise be gathered by threads)."""
+    if options.get("num_workers"):
+        options.setdefault("multiprocessing_context", "fork" if "fork" in START_METHODS else None)
     loader = pf.make_loader(path, **options)
     loader.batch_reader.pool.min_bytes = 0  # pool even these tiny test batches
     return loader

@@ -225,7 +225,8 @@ def test_file_names_that_are_not_utf8_round_trip_as_keys(tmp_path):
 def test_a_killed_make_loader_worker_is_reported_by_number_pid_and_signal(uniform_archives, kind):
     import signal
 
-    loader = pf.make_loader(uniform_archives[kind], batch_size=2, num_workers=2, shuffle=False)
+    loader = pf.make_loader(uniform_archives[kind], batch_size=2, num_workers=2, shuffle=False,
+                            multiprocessing_context="fork")  # worker processes, even for raw batches
     batches = iter(loader)
     next(batches)
     victim = loader.dataloader._iterator._workers[1].pid  # torch's worker processes (persistent)

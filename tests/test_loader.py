@@ -271,16 +271,22 @@ def corrupt(request, uniform_archives, tmp_path):
     return corrupt_copy(uniform_archives[(fmt, mode)], os.fspath(tmp_path / f"bad.{fmt}"), fmt, mode)
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_a_corrupt_sample_raises_naming_path_and_key(corrupt, num_workers):
-    # from a worker too: torch re-raises a worker's error from its message alone, which loses the fields
-    key = pf.open_archive(corrupt, verify=False).key(BAD)
+@pytest.mark.parametrize("num_workers, context", [(0, None), (2, None), (2, "fork")],
+                         ids=["no-workers", "default-workers", "worker-processes"])
+def test_a_corrupt_sample_raises_naming_path_and_key(corrupt, num_workers, context):
+    # from a worker process too: torch re-raises a worker's error from its message alone, which loses the
+    # fields; raw batches read by threads (the default for them) raise it as it is
+    reader = pf.open_archive(corrupt, verify=False)
+    key, raw = reader.key(BAD), reader.mode == "raw"
+    loader = pf.make_loader(corrupt, batch_size=8, num_workers=num_workers, shuffle=False,
+                            multiprocessing_context=context)
+    assert loader.worker_kind == (None if not num_workers else "threads" if raw and not context else "processes")
     with pytest.raises(pf.CorruptSampleError) as info:
-        list(pf.make_loader(corrupt, batch_size=8, num_workers=num_workers, shuffle=False))
+        list(loader)
     assert info.value.path == corrupt and info.value.key == key and info.value.index == BAD
     assert str(info.value).startswith(f"{corrupt} [sample index {BAD}, key {key!r}]: ")
     cause = str(info.value.__cause__ or "")
-    assert bool(num_workers) == ("raised in a DataLoader worker" in cause and "Traceback" in cause)
+    assert (loader.worker_kind == "processes") == ("raised in a DataLoader worker" in cause and "Traceback" in cause)
 
 
 def test_after_a_worker_error_the_loader_and_its_workers_go_with_the_last_reference(corrupt):

@@ -149,7 +149,8 @@ def test_batches_are_contiguous_nchw(uniform_archives, kind, transform):
 def test_worker_batches_are_contiguous_nchw_in_their_slots(uniform_archives, kind, transform):
     options = dict(batch_size=5, seed=4, transform=TRANSFORMS[transform]())
     expected = [images.clone() for images, _ in pf.make_loader(uniform_archives[kind], num_workers=0, **options)]
-    loader = pf.make_loader(uniform_archives[kind], num_workers=2, **options)
+    # worker processes (raw batches with no transform would otherwise be gathered by threads: test_threads.py)
+    loader = pf.make_loader(uniform_archives[kind], num_workers=2, multiprocessing_context="fork", **options)
     loader.batch_reader.pool.min_bytes = 0  # send even these tiny batches in shared-memory slots
     got = list(loader)
     assert int((loader.batch_reader.pool.states == 1).sum()) > 0  # the batches we hold arrived in slots

@@ -90,9 +90,11 @@ def counted(monkeypatch):
 
 
 # ---- one slot per batch, mapped once --------------------------------------------------------------------
-def test_cpu_loaders_with_workers_send_batches_in_slots(archive):
-    assert isinstance(pf.make_loader(archive, num_workers=2).batch_reader.pool, BatchSlots)
+def test_cpu_loaders_with_worker_processes_send_batches_in_slots(archive):
+    assert isinstance(pf.make_loader(archive, num_workers=2, multiprocessing_context="fork").batch_reader.pool,
+                      BatchSlots)
     assert pf.make_loader(archive, num_workers=0).batch_reader.pool is None
+    assert pf.make_loader(archive, num_workers=2).batch_reader.pool is None  # threads: nothing to hand over
 
 
 def test_images_labels_and_indices_of_a_batch_lie_in_one_slot(archive):

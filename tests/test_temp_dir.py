@@ -22,8 +22,11 @@ READ = textwrap.dedent("""
     if sys.argv[2] == "dataset":
         dataset = pf.PackedDataset(sys.argv[1], output="tensor")
         batches = torch.utils.data.DataLoader(dataset, batch_size=4, num_workers=2)
-    else:
-        batches = pf.make_loader(sys.argv[1], batch_size=4, num_workers=2, shuffle=False)
+    else:  # worker processes ("threads" gathers the raw batches in this process, through no socket)
+        context = None if sys.argv[2] == "threads" else "fork"
+        batches = pf.make_loader(sys.argv[1], batch_size=4, num_workers=2, shuffle=False,
+                                 multiprocessing_context=context)
+        assert batches.worker_kind == ("threads" if context is None else "processes")
     print("read", sum(len(labels) for _, labels in batches))
 """)
 
@@ -55,6 +58,14 @@ def test_workers_under_a_temporary_folder_too_deep_for_a_socket_say_so(raw_archi
                           text=True, timeout=60)
     assert done.returncode != 0, done.stdout
     assert "TempDirTooDeepError" in done.stderr and "TMPDIR" in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_raw_batches_gathered_by_threads_need_no_socket(raw_archive, tmp_path):
+    env = dict(os.environ, TMPDIR=deep_folder(tmp_path, 100))
+    done = subprocess.run([sys.executable, "-c", READ, raw_archive, "threads"], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0 and "read 8" in done.stdout, done.stderr[-3000:]
 
 
 @pytest.mark.slow

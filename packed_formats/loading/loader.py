@@ -77,6 +77,7 @@ from .sampling import (
     share_length,
 )
 from .slots import BatchSlots
+from .threads import GatherThreads, gathers_in_threads
 from .worker import BatchReader, FailedBatch, decodes_each
 from .worker_context import worker_context
 
@@ -122,7 +123,7 @@ class PackedLoader:
     Args:
         batch_reader: the ``BatchReader`` the workers read (and transform) whole batches with.
         sampler: the ``BatchSampler`` that plans each epoch's batches.
-        loader: the DataLoader over ``batch_reader`` and ``sampler``.
+        loader: the DataLoader over ``batch_reader`` and ``sampler`` (or the ``GatherThreads`` in its place).
         device: where batches end up.
         transform: what runs on ``device`` after the copy (None: nothing, or all done in the workers).
         prefetch: batches copied to a CUDA device ahead of use.
@@ -135,8 +136,9 @@ class PackedLoader:
 
     KIND = "PackedLoader"
 
-    def __init__(self, batch_reader: BatchReader, sampler: BatchSampler, loader: torch.utils.data.DataLoader,
-                 device: torch.device, transform: Optional[Callable], prefetch: int,
+    def __init__(self, batch_reader: BatchReader, sampler: BatchSampler,
+                 loader: "torch.utils.data.DataLoader | GatherThreads", device: torch.device,
+                 transform: Optional[Callable], prefetch: int,
                  distributed: Optional[bool] = None, placement: Optional[Tuple[int, int]] = None, *,
                  memory_format: torch.memory_format = torch.contiguous_format, return_index: bool = False,
                  dataset: Optional[PackedDataset] = None, decoder: Optional[DeviceDecoder] = None) -> None:
@@ -205,6 +207,15 @@ class PackedLoader:
     @property
     def num_workers(self) -> int:
         return self.dataloader.num_workers
+
+    @property
+    def worker_kind(self) -> Optional[str]:
+        """What makes the batches besides this process's own thread: "processes" (DataLoader's workers),
+        "threads" (``num_workers`` threads of this process, for batches that are only a copy:
+        ``threads``), or None (``num_workers=0``: this thread, batch by batch)."""
+        if not self.dataloader.num_workers:
+            return None
+        return "threads" if isinstance(self.dataloader, GatherThreads) else "processes"
 
     @property
     def dataset(self) -> PackedDataset:
@@ -292,6 +303,7 @@ class PackedLoader:
         that stopped are freed first.  While workers of another pass still run with them (an unfinished
         pass of fresh workers, or those left of a pass a worker died in), this pass gets slots of its own."""
         loader = self.dataloader
+        assert isinstance(loader, torch.utils.data.DataLoader)  # slots are worker processes' only
         current = getattr(loader, "_iterator", None)
         if current is not None and getattr(current, "_shutdown", False):
             loader._iterator = current = None  # its workers stopped: fresh ones, not a reset of those
@@ -311,11 +323,13 @@ class PackedLoader:
         pool = self._pass_slots.get(workers)
         if pool is None:
             return
+        loader = self.dataloader
+        assert isinstance(loader, torch.utils.data.DataLoader)  # slots are worker processes' only
         if any(not process.is_alive() for process in getattr(workers, "_workers", ())):
-            if getattr(self.dataloader, "_iterator", None) is workers:
-                self.dataloader._iterator = None
+            if getattr(loader, "_iterator", None) is workers:
+                loader._iterator = None
             return
-        if not self.dataloader.persistent_workers and not getattr(workers, "_shutdown", True):
+        if not loader.persistent_workers and not getattr(workers, "_shutdown", True):
             workers._shutdown_workers()  # type: ignore[attr-defined]
         if getattr(workers, "_shutdown", False):
             pool.reclaim()
@@ -540,6 +554,10 @@ def make_loader(
         window: parts whose samples shuffle="window" mixes (default 8); batches mix
             fewer parts with a smaller one, so keep it as large as the cache allows.
         num_workers: worker processes, each reading whole batches (0: read in this process).
+            Raw batches that are only a copy (a local raw archive read to the CPU with no
+            transform and no fields) are gathered by as many threads of this process instead,
+            unless ``multiprocessing_context`` is given: the copy releases the GIL, and no
+            batch is handed between processes (``threads``).
         device: where batches end up; "cuda" pins host batches and copies them on a side stream.
         transform: a batch transform (``pf.transforms``, or a callable wrapped in
             ``pf.transforms.Batched``) gets each uint8 [B,C,H,W] batch; any other callable
@@ -585,7 +603,8 @@ def make_loader(
             ~50% extra cost a CRC adds to a raw read), on every read (True) or never (False).
         format: insist on this archive format.
         persistent_workers: keep workers (and their open handles) across epochs.
-        multiprocessing_context: "fork", "spawn", "forkserver" or None (torch's default).
+        multiprocessing_context: "fork", "spawn", "forkserver" or None (torch's default, and
+            threads for batches that are only a copy).  Given, the workers are processes.
         memory_format: the layout of the image batches: contiguous NCHW (the default:
             what ``x.view(B, -1)`` and DDP's gradient buckets expect) or ``torch.channels_last``
             (what the archive holds: no conversion at all, and the faster layout for a
@@ -643,8 +662,6 @@ def make_loader(
         raise ValueError(f"memory_format must be torch.contiguous_format or torch.channels_last, got {memory_format}")
     if num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
-    if num_workers > 0:
-        temp_dir.check()  # the workers pass their batch slots' descriptors through a socket under $TMPDIR
     if not isinstance(registered_slots, bool):
         raise ValueError(f"registered_slots must be True or False, got {registered_slots!r}")
     if isinstance(size, str):
@@ -696,14 +713,34 @@ def make_loader(
     batch_reader = BatchReader(
         reader, size=decode_size, resize_mode=resize_mode, transform=transform if on_cpu or send != "batches" else None,
         on_error=on_error, seed=seed, rank=rank, pin=device.type == "cuda" and num_workers == 0,
-        pool=_worker_slots(num_workers, device, registered_slots, reader.path),
         memory_format=memory_format if on_cpu and not own else None,  # another device converts the batch there
         send=send, fields=batch_fields, own_sizes=own,
     )
     rest = transform  # what runs on the device: all of it, or what follows a crop the workers draw
     if send != "batches" and batch_reader.at_decode is not None:
         rest = batch_reader.at_decode[1]
-    loader = torch.utils.data.DataLoader(
+    loader: "torch.utils.data.DataLoader | GatherThreads"
+    if gathers_in_threads(reader, batch_reader, num_workers, device, multiprocessing_context):
+        loader = GatherThreads(batch_reader, sampler, num_workers)  # batches that are only a copy: threads
+    else:
+        if num_workers > 0:
+            temp_dir.check()  # the workers pass their batch slots' descriptors through a socket under $TMPDIR
+        batch_reader.pool = _worker_slots(num_workers, device, registered_slots, reader.path)
+        loader = _worker_processes(batch_reader, sampler, num_workers, device, persistent_workers,
+                                   multiprocessing_context, seed, rank)
+    return PackedLoader(
+        batch_reader, sampler, loader, asked, None if on_cpu else batchwise(rest), prefetch, distributed, placement,
+        memory_format=memory_format, return_index=return_index,
+        dataset=source if isinstance(source, PackedDataset) else None,
+        decoder=DeviceDecoder(reader, memory_format) if send != "batches" else None,
+    )
+
+
+def _worker_processes(batch_reader: BatchReader, sampler: BatchSampler, num_workers: int, device: torch.device,
+                      persistent_workers: bool, multiprocessing_context: Any, seed: int,
+                      rank: int) -> torch.utils.data.DataLoader:
+    """The DataLoader whose worker processes (none: this process) make the batches."""
+    return torch.utils.data.DataLoader(
         batch_reader,
         batch_size=None,
         sampler=sampler,
@@ -713,12 +750,6 @@ def make_loader(
         persistent_workers=persistent_workers and num_workers > 0,
         multiprocessing_context=worker_context(multiprocessing_context) if num_workers > 0 else None,
         worker_init_fn=WorkerInit(seed, rank),
-    )
-    return PackedLoader(
-        batch_reader, sampler, loader, asked, None if on_cpu else batchwise(rest), prefetch, distributed, placement,
-        memory_format=memory_format, return_index=return_index,
-        dataset=source if isinstance(source, PackedDataset) else None,
-        decoder=DeviceDecoder(reader, memory_format) if send != "batches" else None,
     )
 
 

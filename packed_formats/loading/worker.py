@@ -139,6 +139,11 @@ class BatchReader(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.reader)
 
+    def keep_buffers(self, keep: int) -> None:
+        """Keep up to ``keep`` read buffers for reuse in each process (batches read side by side by threads
+        each need one, besides those their caller still holds)."""
+        self._buffers = ProcessLocal(functools.partial(memory.ReusedBuffers, keep))
+
     def __getitem__(self, plan: BatchPlan) -> "Item | FailedBatch":
         try:
             if self.pool is None:
