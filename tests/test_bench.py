@@ -69,6 +69,22 @@ def test_every_run_reports_positive_rates_per_epoch(cli_run):
 
 
 @pytest.mark.slow
+def test_a_start_method_given_measures_worker_processes(cli_run):
+    results, _, _ = cli_run
+    for row in results["runs"]:
+        if row["loader"] == "make_loader":
+            assert row.get("worker_kind") == (None if not row["workers"] else "processes"), row
+
+
+def test_raw_batches_are_measured_as_make_loader_makes_them_by_default(archives):
+    config = BenchConfig(workers=(1,), batch_size=8, epochs=1, warmup=0, references=False, tensordict_baseline=False)
+    results = run_benchmark([archives[("memmap", "raw")], archives[("zip", "encoded")]], config, log=lambda _: None)
+    kinds = {row["mode"]: row.get("worker_kind") for row in results["runs"]}
+    assert kinds == {"raw": "threads", "encoded": "processes"}
+    assert " 1 thr " in format_table(results)  # the table marks the threads' rows
+
+
+@pytest.mark.slow
 def test_every_epoch_delivers_the_whole_dataset(cli_run):
     results, _, _ = cli_run
     counts = {t["path"]: t["count"] for t in results["targets"]}
@@ -236,6 +252,9 @@ def test_time_epoch_excludes_warmup_batches_and_counts_delivered_samples():
 def test_copy_bound_rate_gathers_batches_of_the_archive_shape():
     ref = copy_bound_rate(RAW_SHAPE, count=40, batch_size=16, seconds=0.05)
     assert ref["shape"] == list(RAW_SHAPE) and ref["batch_size"] == 16 and ref["images_per_s"] > 0
+    # the fastest known way: each way measured, the faster taken and named
+    assert set(ref["ways"]) == {"torch.index_select", f"numpy.take in {torch.get_num_threads()} thread(s)"}
+    assert ref["way"] in ref["ways"] and ref["images_per_s"] == max(ref["ways"].values())
 
 
 def test_bare_decode_rate_runs_in_the_requested_number_of_processes(archives):

@@ -241,4 +241,6 @@ def time_loader(
     }
     if warmed is not None:
         result["warmed"] = warmed
+    if getattr(loader, "worker_kind", None) is not None:  # make_loader's: "processes" or "threads"
+        result["worker_kind"] = loader.worker_kind  # type: ignore[union-attr]
     return result

@@ -116,7 +116,8 @@ def _fmt(value: Optional[float], spec: str, suffix: str = "") -> str:
 
 def _run_cells(row: Dict[str, Any]) -> List[str]:
     kind = f"{row['format']}/{row['mode']}" + (" chw" if row.get("raw_layout") == "chw" else "")  # planar pixels
-    head = [row["pipeline"], row["target"], row["loader"], kind, str(row["workers"])]
+    workers = str(row["workers"]) + (" thr" if row.get("worker_kind") == "threads" else "")  # threads of this process
+    head = [row["pipeline"], row["target"], row["loader"], kind, workers]
     if row.get("error"):
         return head + ["FAILED"] + [""] * (len(HEADER) - len(head) - 1)
     ips, first, mem, ratios = row["images_per_s"], row["first_batch_s"], row["memory"], row.get("ratios", {})
@@ -146,7 +147,8 @@ def format_table(results: Dict[str, Any]) -> str:
     config, env = results["config"], results["environment"]
     lines = [
         f"packed-formats bench: batch {config['batch_size']}, {config['epochs']} epochs, "
-        f"{config['warmup']} warm-up batches per epoch excluded, start method {config['start_method']}, "
+        f"{config['warmup']} warm-up batches per epoch excluded, start method {config['start_method']} "
+        f"(\"thr\": threads of the main process), "
         f"{COLD if config['cold'] else WARM}, "
         f"{'shuffled' if config['shuffle'] else 'in order'}",
         f"environment: {env['cpus']['usable'] or env['cpus']['logical']} CPUs, torch {env['versions']['torch']}, "
@@ -163,7 +165,11 @@ def format_table(results: Dict[str, Any]) -> str:
         to = f"to {ref['decode_size']}px" if ref.get("decode_size") else "alone (the limit of crops at decode)"
         what = (f"copy-bound limit, gather {'x'.join(map(str, ref['shape']))} batches in memory"
                 if ref["name"] == "copy-bound" else f"bare decode of {ref.get('source')} {to}")
-        lines.append(f"  {what}, {ref['processes']} process(es): {ref['images_per_s']:,.0f} img/s")
+        line = f"  {what}, {ref['processes']} process(es): {ref['images_per_s']:,.0f} img/s"
+        if ref.get("ways"):  # the copy bound: the faster way, and the other's rate
+            others = ", ".join(f"{way} {rate:,.0f}" for way, rate in ref["ways"].items() if way != ref["way"])
+            line += f" by {ref['way']}" + (f" ({others})" if others else "")
+        lines.append(line)
     lines += ["", "archives:"]
     for t in results["targets"]:
         size = t["size"]
