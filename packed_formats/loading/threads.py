@@ -93,7 +93,8 @@ class GatherThreads:
         """This process's threads (a forked child inherits the pool but not its threads: it makes its own)."""
         with self._lock:
             if self._pool is None or self._pid != os.getpid():
-                self._pool, self._pid = ThreadPoolExecutor(self.num_workers, thread_name_prefix=THREAD_NAME), os.getpid()
+                self._pool = ThreadPoolExecutor(self.num_workers, thread_name_prefix=THREAD_NAME)
+                self._pid = os.getpid()
                 weakref.finalize(self, self._pool.shutdown, wait=False)
             return self._pool
 
