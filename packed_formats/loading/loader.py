@@ -554,8 +554,8 @@ def make_loader(
         window: parts whose samples shuffle="window" mixes (default 8); batches mix
             fewer parts with a smaller one, so keep it as large as the cache allows.
         num_workers: worker processes, each reading whole batches (0: read in this process).
-            Raw batches that are only a copy (a local raw archive read to the CPU with no
-            transform and no fields) are gathered by as many threads of this process instead,
+            Raw batches that are only a copy (a local raw archive of one file read to the CPU
+            with no transform and no fields) are gathered by as many threads of this process instead,
             unless ``multiprocessing_context`` is given: the copy releases the GIL, and no
             batch is handed between processes (``threads``).
         device: where batches end up; "cuda" pins host batches and copies them on a side stream.

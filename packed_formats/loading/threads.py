@@ -16,7 +16,7 @@ on in order: the batches, their order and their seeds are the workers'.
 
 Threads are taken only where nothing but this library's own copy runs per
 batch (``gathers_in_threads``); a transform, fields, a mixture, object
-storage, an LMDB or sharded set, or an explicit ``multiprocessing_context``
+storage, a set of parts, or an explicit ``multiprocessing_context``
 keep worker processes.  What threads give up: a file truncated in place while
 it is gathered ends the process, as with ``num_workers=0`` (archives are only
 ever replaced whole, see ``mapped``).
@@ -34,13 +34,15 @@ from typing import Any, Deque, Iterator, Optional
 import torch
 
 from ..backends.hdf5 import HDF5Backend
+from ..backends.lmdb import LMDBBackend
 from ..backends.memmap import MemmapBackend
 from ..backends.reader import Reader
 from ..backends.zip import ZipBackend
 from .worker import BatchReader
 
-# one archive whose raw batches are gathered from a map (or by pread, or h5py under its lock): safe from threads
-BACKENDS = (MemmapBackend, ZipBackend, HDF5Backend)
+# one archive, read from a map (or by pread, h5py under its lock, or an LMDB read transaction per batch, which
+# py-lmdb lets any thread open): safe from threads
+BACKENDS = (MemmapBackend, ZipBackend, HDF5Backend, LMDBBackend)
 AHEAD = 2  # batches in flight per thread (DataLoader's prefetch_factor)
 THREAD_NAME = "packed_formats-gather"
 
