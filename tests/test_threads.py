@@ -212,3 +212,24 @@ def test_a_forked_child_reads_through_threads_of_its_own(uniform_archives, tmp_p
         os.waitpid(pid, 0)
         pytest.fail("the forked child hung reading through the inherited threads")
     assert out.read_text() == repr(expected)
+
+
+def test_an_error_kept_by_its_catcher_does_not_keep_the_threads(uniform_archives, tmp_path):
+    bad = corrupt_copy(uniform_archives[("zip", "raw")], os.fspath(tmp_path / "bad.zip"), "zip", "raw")
+    loader = pf.make_loader(bad, batch_size=4, num_workers=2, shuffle=False)
+    before = set(gather_threads())
+    kept = None
+    try:
+        for _ in loader:
+            pass
+    except pf.CorruptSampleError as error:
+        kept = error
+    mine = set(gather_threads()) - before
+    assert kept is not None and kept.index == BAD and mine
+    del loader
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while any(t.is_alive() for t in mine) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(t.is_alive() for t in mine), "the kept error keeps the loader's threads"
+    assert kept.path == bad
