@@ -257,6 +257,23 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not ended: a process that ended (killed, say) stays a zombie,
+    which ``pid_alive`` still finds, until its parent reaps it."""
+    if not pid_alive(pid):
+        return False
+    if not os.path.isdir("/proc/self"):  # no /proc here: alive is all that can be known
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as file:
+            stat = file.read()
+    except FileNotFoundError:  # gone since
+        return False
+    except OSError:
+        return True
+    return stat[stat.rfind(b")") + 2 :][:1] not in (b"Z", b"X")
+
+
 # ---- a worker ends with its main process ------------------------------------------------------------------
 # A worker process (the loader's DataLoader workers, the conversion's pool) looks for its parent only between
 # tasks, and then leaves the ordinary way, which waits for each queue's feeder thread.  When the main process is
@@ -289,6 +306,6 @@ def leave_with_parent(owner: Optional[int] = None, interval: float = WATCH_INTER
 def _watch(parent: int, owner: int, interval: float) -> None:
     import time
 
-    while os.getppid() == parent and pid_alive(owner):
-        time.sleep(interval)
+    while os.getppid() == parent and running(owner):  # a killed main process may not be reaped yet (a zombie):
+        time.sleep(interval)  # a worker that starts watching only then would otherwise watch it forever
     os._exit(0)  # no parent to report to: the ordinary exit could wait forever on a feeder thread
