@@ -24,12 +24,11 @@ ever replaced whole, see ``mapped``).
 
 from __future__ import annotations
 
-import os
-import threading
+import functools
 import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any, Deque, Iterator, Optional
+from typing import Any, Deque, Iterator
 
 import torch
 
@@ -38,6 +37,7 @@ from ..backends.lmdb import LMDBBackend
 from ..backends.memmap import MemmapBackend
 from ..backends.reader import Reader
 from ..backends.zip import ZipBackend
+from ..handles import ProcessLocal
 from .worker import BatchReader
 
 # one archive, read from a map (or by pread, h5py under its lock, or an LMDB read transaction per batch, which
@@ -70,35 +70,24 @@ class GatherThreads:
     def __init__(self, dataset: BatchReader, sampler: Any, num_workers: int) -> None:
         self.dataset, self.sampler, self.num_workers = dataset, sampler, num_workers
         dataset.keep_buffers(self.buffers_kept(num_workers))
-        self._pool: Optional[ThreadPoolExecutor] = None
-        self._pid = os.getpid()
-        self._lock = threading.Lock()
+        # this process's threads: a forked child inherits the pool but not its threads, and makes its own
+        self._pool = ProcessLocal(functools.partial(ThreadPoolExecutor, num_workers, thread_name_prefix=THREAD_NAME))
 
     @staticmethod
     def buffers_kept(num_workers: int) -> int:
         """Read buffers kept for reuse: those of the batches in flight, the one handed out, the caller's last."""
         return AHEAD * num_workers + 2
 
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state["_pool"], state["_lock"] = None, None
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
-
     def __len__(self) -> int:
         return len(self.sampler)
 
     def _threads(self) -> ThreadPoolExecutor:
-        """This process's threads (a forked child inherits the pool but not its threads: it makes its own)."""
-        with self._lock:
-            if self._pool is None or self._pid != os.getpid():
-                self._pool = ThreadPoolExecutor(self.num_workers, thread_name_prefix=THREAD_NAME)
-                self._pid = os.getpid()
-                weakref.finalize(self, self._pool.shutdown, wait=False)
-            return self._pool
+        """This process's threads, which end with this object."""
+        made = self._pool.made_here()
+        pool = self._pool.get()
+        if not made:
+            weakref.finalize(self, pool.shutdown, wait=False)
+        return pool
 
     def __iter__(self) -> Iterator[Any]:
         pool, plans = self._threads(), iter(self.sampler)
