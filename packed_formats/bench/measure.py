@@ -15,9 +15,17 @@ import os
 import statistics
 import threading
 import time
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Sized
 
 from .pagecache import evict, warm
+
+
+class Beside(Protocol):
+    """A reference measured beside each epoch of a loader (``references.BoundBeside``), in a process of its own."""
+
+    pid: Optional[int]
+
+    def rates(self, seconds: float) -> Dict[str, float]: ...
 
 
 def batch_size_of(batch: Any) -> int:
@@ -72,8 +80,9 @@ class MemorySampler:
 
     MAX_SHARE = 0.03
 
-    def __init__(self, interval: float = 0.05) -> None:
+    def __init__(self, interval: float = 0.05, ignore: Iterable[Optional[int]] = ()) -> None:
         self.interval = interval
+        self.ignore = set(ignore)  # child processes that are not the loader's (a reference measured beside it)
         self.last_cost = 0.0
         self.metric = "pss" if read_pss(os.getpid()) is not None else "rss"
         self.peak_main = 0
@@ -100,7 +109,7 @@ class MemorySampler:
         me = psutil.Process()
         self.peak_main = max(self.peak_main, self._measure(me))
         try:
-            children = me.children(recursive=True)
+            children = [c for c in me.children(recursive=True) if c.pid not in self.ignore]
         except psutil.Error:
             children = []
         sizes = [self._measure(c) for c in children]
@@ -138,11 +147,19 @@ class MemorySampler:
 
 
 def time_epoch(loader: Iterable, warmup: int, max_batches: Optional[int] = None,
-               on_first_batch: Optional[Callable[[], None]] = None) -> Dict[str, Any]:
+               after_last_batch: Optional[Callable[[], None]] = None) -> Dict[str, Any]:
     """Iterate ``loader`` once and time it (see the module docstring).
 
-    ``on_first_batch`` runs once the first batch has arrived (outside the timed span when warmup > 0).
+    ``after_last_batch`` runs once the last batch has arrived, outside the timed span, while the
+    loader's workers still run (before the iterator is asked for more, when the loader has a length:
+    torch ends workers that are not persistent once their iterator is exhausted).  It ran at the
+    first batch once: a loader that prefetches went on reading meanwhile, untimed, and a memory
+    sample of ~25 ms there let threads gathering batches of 256 of a 2,048-sample set have four of
+    its seven timed batches ready (1.8x their rate).
     """
+    total = len(loader) if isinstance(loader, Sized) else None
+    if max_batches is not None:
+        total = max_batches if total is None else min(total, max_batches)
     start = time.perf_counter()
     iterator = iter(loader)
     images = batches = timed_images = 0
@@ -157,16 +174,18 @@ def time_epoch(loader: Iterable, warmup: int, max_batches: Optional[int] = None,
         images += n
         if first_batch_s is None:
             first_batch_s = last - start
-            if on_first_batch is not None:
-                on_first_batch()
-                last = time.perf_counter()
         if batches == warmup:
             timed_from = last
         elif batches > warmup:
             timed_images += n
         del batch
+        if batches == total and after_last_batch is not None:
+            after_last_batch()
+            after_last_batch = None
         if max_batches is not None and batches >= max_batches:
             break
+    if after_last_batch is not None:  # no length, or fewer batches than it said
+        after_last_batch()
     del iterator  # shuts the workers down before the next epoch starts
     gc.collect()
     if warmup == 0:
@@ -201,8 +220,13 @@ def time_loader(
     max_batches: Optional[int] = None,
     cold_path: Optional[str] = None,
     warm_path: Optional[str] = None,
+    beside: Optional["Beside"] = None,
 ) -> Dict[str, Any]:
     """Time ``epochs`` passes over the loader that ``make_loader()`` builds.
+
+    ``beside.rates(seconds)``, when given, is measured after each epoch, outside its timing, for as long as
+    the epoch was timed (a reference met in the same state of the machine), and kept as the epoch's
+    ``beside``; its process is not the loader's (left out of the memory measured).
 
     Warm runs read ``warm_path`` (when given) into the page cache, then build
     the loader once and reuse it.  Cold runs (``cold_path`` given) drop the
@@ -213,7 +237,7 @@ def time_loader(
     records = []
     warmed = warm(warm_path) if warm_path and not cold_path else None
     loader: Optional[Iterable] = None if cold_path else make_loader()
-    with MemorySampler() as sampler:
+    with MemorySampler(ignore=() if beside is None else (beside.pid,)) as sampler:
         for epoch in range(epochs):
             eviction = None
             if cold_path:
@@ -222,8 +246,10 @@ def time_loader(
                 eviction = evict(cold_path)
                 loader = make_loader()
             assert loader is not None  # built once above, or just now for a cold epoch
-            record = time_epoch(loader, warmup, max_batches, on_first_batch=sampler.sample)
+            record = time_epoch(loader, warmup, max_batches, after_last_batch=sampler.sample)
             record["epoch"] = epoch
+            if beside is not None:
+                record["beside"] = beside.rates(record["timed_seconds"] or record["epoch_seconds"])
             if eviction is not None:
                 record["eviction"] = eviction
             records.append(record)

@@ -72,10 +72,10 @@ def add_ratios(results: Dict[str, Any]) -> None:
             by_kind.setdefault((row["loader"], row["path"]) + at, r)
     for row in runs:
         r, at, ratios = rate(row), (row["pipeline"], row["workers"]), {}
-        limit = _limit_for(row, targets[row["path"]], refs)
+        limit = row.get("limit_beside") or _limit_for(row, targets[row["path"]], refs)
         if limit is not None:
             row["limit"] = {"name": limit["name"], "processes": limit["processes"],
-                            "images_per_s": limit["images_per_s"]}
+                            "images_per_s": limit["images_per_s"], "beside_epochs": limit is row.get("limit_beside")}
             ratios["vs_limit"] = _ratio(r, limit["images_per_s"])
         if row["loader"] != "torchvision-imagefolder":
             ratios["vs_imagefolder"] = _ratio(r, by_kind.get(("torchvision-imagefolder",) + at))
@@ -157,8 +157,11 @@ def format_table(results: Dict[str, Any]) -> str:
         _device_line(env),
         f"img/s = median over epochs; memory = peak {_memory_metric(results).upper()} of the main process / "
         "sum over worker processes",
-        "",
     ]
+    if any(run.get("limit_beside") for run in results["runs"]):
+        lines.append("vs limit (raw) = against the copy-bound limit measured beside each epoch of the run, in a "
+                     "process of its own (the fastest way's median over those spans)")
+    lines += [""]
     lines += _grid([_run_cells(r) for r in results["runs"]], HEADER)
     lines += ["", "reference points (same run):"]
     for ref in results["references"]:
@@ -169,6 +172,8 @@ def format_table(results: Dict[str, Any]) -> str:
         if ref.get("ways"):  # the copy bound: the faster way, and the other's rate
             others = ", ".join(f"{way} {rate:,.0f}" for way, rate in ref["ways"].items() if way != ref["way"])
             line += f" by {ref['way']}" + (f" ({others})" if others else "")
+        if ref.get("one_buffer"):  # what the cache gives a gather into one buffer, which no loader can be
+            line += f"; into one buffer {ref['one_buffer']:,.0f}"
         lines.append(line)
     lines += ["", "archives:"]
     for t in results["targets"]:

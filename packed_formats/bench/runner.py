@@ -16,6 +16,7 @@ from . import environment, loaders, measure, references
 from .tensordict_memmap import tutorial_loader
 
 START_METHODS = ("fork", "spawn", "forkserver")
+BESIDE_SECONDS = 0.15  # the shortest span of the copy-bound limit beside an epoch (each way a third of it)
 
 
 @dataclasses.dataclass
@@ -138,8 +139,12 @@ def build_loader(target: Dict[str, Any], loader: str, pipeline: str, workers: in
 
 
 def measure_one(target: Dict[str, Any], loader: str, pipeline: str, workers: int, config: BenchConfig,
-                role: str = "target") -> Dict[str, Any]:
-    """Time one (target, loader, pipeline, workers) combination; an error is recorded, not raised."""
+                role: str = "target", bound: Optional[references.BoundBeside] = None) -> Dict[str, Any]:
+    """Time one (target, loader, pipeline, workers) combination; an error is recorded, not raised.
+
+    ``bound``: the copy-bound limit of a raw target, measured beside each epoch (as long as the epoch was
+    timed, each way a third of it) and kept as the run's ``limit_beside``, the limit its ratio is taken to.
+    """
     row: Dict[str, Any] = {
         "target": target["name"] if role == "target" else f"{loader} ({target['name']})",
         "path": target["path"], "role": role, "loader": loader, "format": target["format"],
@@ -153,9 +158,14 @@ def measure_one(target: Dict[str, Any], loader: str, pipeline: str, workers: int
             row.update(measure.time_loader(lambda: build_loader(target, loader, pipeline, workers, config),
                                            config.epochs, config.warmup, config.max_batches,
                                            cold_path=target["path"] if config.cold else None,
-                                           warm_path=None if config.cold else target["path"]))
+                                           warm_path=None if config.cold else target["path"], beside=bound))
     except (PackedFormatError, RuntimeError, ValueError, OSError, TypeError) as exc:
         row["error"] = f"{type(exc).__name__}: {exc}"
+    if bound is not None and not row["error"]:
+        spans = [epoch["beside"] for epoch in row["epochs"]]
+        way, images_per_s = references.fastest({way: [span[way] for span in spans] for way in spans[0]})
+        row["limit_beside"] = {"name": "copy-bound", "processes": 1, "way": way, "images_per_s": images_per_s,
+                               "spans": len(spans)}
     return row
 
 
@@ -228,31 +238,68 @@ def run_benchmark(paths: Sequence[str], config: Optional[BenchConfig] = None,
     }
     results["config"]["start_method"] = config.start_method or multiprocessing.get_start_method()
     results["config"]["decode_size"] = config.decode_to
-    for pipeline in config.pipelines:
-        for target in targets:
-            loader = _loader_name(target, config)
-            role = "baseline" if loader == "torchvision-imagefolder" else "target"
-            for workers in config.workers:
-                log(f"{pipeline:5} {target['name']} via {loader}, {workers} workers")
-                results["runs"].append(measure_one(target, loader, pipeline, int(workers), config, role))
-            if config.on_cuda and loader == "make_loader" and target["mode"] == "encoded":
-                for workers in config.workers:
-                    log(f"{pipeline:5} {target['name']} decoded on {config.device}, {workers} workers")
-                    results["runs"].append(measure_one(target, DEVICE_DECODE, pipeline, int(workers), config))
-            if config.on_cuda and loader == "make_loader":
-                for workers in config.workers:
-                    log(f"{pipeline:5} {target['name']} via a plain .to({config.device}), {workers} workers")
-                    results["runs"].append(measure_one(target, "plain-to-device", pipeline, int(workers), config,
-                                                       "baseline"))
-            if config.tensordict_baseline and target["format"] == "memmap" and target["mode"] == "raw":
-                # the tutorial moves batches to the GPU in its collate_fn: in the main process only
-                for workers in [w for w in config.workers if not (config.on_cuda and int(w))]:
-                    log(f"{pipeline:5} tensordict-memmap loader on {target['name']}, {workers} workers")
-                    results["runs"].append(measure_one(target, "tensordict-memmap", pipeline, int(workers), config,
-                                                       "baseline"))
+    with _Bounds(config) as bounds:
+        _measure_runs(results["runs"], targets, config, bounds, log)
     if config.references:
         results["references"] = measure_references(targets, config, log)
     from .report import add_ratios
 
     add_ratios(results)
     return results
+
+
+class _Bounds:
+    """The copy-bound limit of each raw target's shape, made when first asked for (one at a time: its
+    data is up to ``COPY_MEMORY_CAP`` of memory), measured beside each epoch of the target's runs; None
+    without references."""
+
+    def __init__(self, config: BenchConfig) -> None:
+        self.config = config
+        self._key: Optional[Tuple[Tuple[int, ...], int]] = None
+        self._bound: Optional[references.BoundBeside] = None
+
+    def of(self, target: Dict[str, Any]) -> Optional[references.BoundBeside]:
+        if not self.config.references or target["mode"] != "raw" or not target["shape"]:
+            return None
+        key = (tuple(target["shape"]), target["count"])
+        if key != self._key:
+            self.__exit__()
+            self._key, self._bound = key, references.BoundBeside(
+                target["shape"], target["count"], self.config.batch_size, self.config.warmup, BESIDE_SECONDS,
+                max(BESIDE_SECONDS, self.config.reference_seconds))
+        return self._bound
+
+    def __enter__(self) -> "_Bounds":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bound is not None:
+            self._bound.close()
+        self._key, self._bound = None, None
+
+
+def _measure_runs(runs: List[Dict[str, Any]], targets: List[Dict[str, Any]], config: BenchConfig, bounds: _Bounds,
+                  log: Callable[[str], None]) -> None:
+    """Every run of the benchmark, appended to ``runs``."""
+    for pipeline in config.pipelines:
+        for target in targets:
+            loader = _loader_name(target, config)
+            role = "baseline" if loader == "torchvision-imagefolder" else "target"
+            for workers in config.workers:
+                log(f"{pipeline:5} {target['name']} via {loader}, {workers} workers")
+                runs.append(measure_one(target, loader, pipeline, int(workers), config, role, bounds.of(target)))
+            if config.on_cuda and loader == "make_loader" and target["mode"] == "encoded":
+                for workers in config.workers:
+                    log(f"{pipeline:5} {target['name']} decoded on {config.device}, {workers} workers")
+                    runs.append(measure_one(target, DEVICE_DECODE, pipeline, int(workers), config))
+            if config.on_cuda and loader == "make_loader":
+                for workers in config.workers:
+                    log(f"{pipeline:5} {target['name']} via a plain .to({config.device}), {workers} workers")
+                    runs.append(measure_one(target, "plain-to-device", pipeline, int(workers), config, "baseline",
+                                            bounds.of(target)))
+            if config.tensordict_baseline and target["format"] == "memmap" and target["mode"] == "raw":
+                # the tutorial moves batches to the GPU in its collate_fn: in the main process only
+                for workers in [w for w in config.workers if not (config.on_cuda and int(w))]:
+                    log(f"{pipeline:5} tensordict-memmap loader on {target['name']}, {workers} workers")
+                    runs.append(measure_one(target, "tensordict-memmap", pipeline, int(workers), config, "baseline",
+                                            bounds.of(target)))
