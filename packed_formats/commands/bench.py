@@ -29,7 +29,9 @@ Targets are archives of any format, or an ImageFolder tree (timed with
 torchvision.datasets.ImageFolder and its standard transforms: the baseline).
 Each epoch is timed separately after WARMUP batches; img/s is the median over
 epochs of samples delivered / time.  Reference points measured in the same run:
-the copy-bound limit for raw archives and the bare decode rate for encoded ones.
+the copy-bound limit for raw archives (also measured beside each epoch, in a
+process of its own: a raw run's "vs limit" is against those spans) and the bare
+decode rate for encoded ones.
 
 A URL (s3://, gs://, https://) is read through a fresh node-local cache
 (--cache-limit bounds it): each epoch's images/s, the first from an empty
@@ -109,7 +111,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-tensordict-baseline", dest="tensordict_baseline", action="store_false",
                         help="skip the tensordict-style memmap loader (a baseline) on raw memmap archives")
     parser.add_argument("--reference-seconds", type=float, default=1.0,
-                        help="seconds spent measuring each reference point (1.0)")
+                        help="seconds spent measuring each reference point (1.0); also the longest span of "
+                             "the copy-bound limit beside an epoch")
     parser.add_argument("--device", default="cpu",
                         help="cpu, or cuda[:N]: make_loader copies pinned batches to the GPU ahead of use and "
                              "transforms them there; each archive is also timed with a plain .to(device) (cpu)")
