@@ -436,6 +436,20 @@ def test_mixup_of_uint8_batches_says_to_normalise_first(labelled_archive):
         next(iter(loader))
 
 
+def test_mixing_the_labels_of_samples_without_one_is_refused_by_name(tmp_path):
+    """torch's one_hot said only "Class values must be non-negative", at the first batch."""
+    images = [torch.randint(0, 256, (3, 8, 8), dtype=torch.uint8) for _ in range(4)]
+    path = tmp_path / "unlabelled.memmap"
+    pf.convert(pf.PythonSource(images, labelled=False), path, format="memmap", mode="raw", quiet=True, workers=1)
+    for mixer in (v2.MixUp(num_classes=3), T.Compose([T.Normalize(), v2.CutMix(num_classes=3)])):
+        with pytest.raises(pf.PackedFormatError, match="mixes the batch's labels.*have no label") as caught:
+            pf.make_loader(path, batch_size=2, num_workers=0, transform=mixer)
+        assert caught.value.path == str(path)
+    # a batch that holds samples without a label (a mixture of sets with and without) says where they are
+    with pytest.raises(ValueError, match=r"samples without a label \(-1, at places \[1\] of the batch\)"):
+        T.apply_with_labels(v2.CutMix(num_classes=3), random_images(2), torch.tensor([0, -1]))
+
+
 def test_cutmix_needs_no_float_images():
     images, labels = T.apply_with_labels(v2.CutMix(num_classes=3), random_images(4), torch.tensor([0, 1, 2, 0]))
     assert images.dtype == torch.uint8 and labels.shape == (4, 3)

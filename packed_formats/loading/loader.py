@@ -686,6 +686,10 @@ def make_loader(
     if mixture is not None and fields is not None:
         mixture.check_fields(fields)
     batch_fields = _batch_fields(reader, fields, transform, decode)
+    if transform is not None and takes_labels(transform) and not reader.manifest.labelled:
+        raise PackedFormatError(reader.path, f"{type(transform).__name__} mixes the batch's labels (MixUp, CutMix), "
+                                             "but the archive's samples have no label",
+                                hint="leave MixUp/CutMix out, or convert the data with its labels")
     if (rank is None) != (world_size is None):
         raise ValueError("give both rank and world_size, or neither")
     placement = None if rank is None or world_size is None else (int(rank), int(world_size))

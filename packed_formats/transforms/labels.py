@@ -85,6 +85,9 @@ def mix(transform: Callable, images: torch.Tensor, labels: torch.Tensor,
     """
     _check_torchvision_container(transform)
     _check_float_for_mixup(transform, images)
+    if labels.numel() and int(labels.min()) < 0:  # one_hot would only say "Class values must be non-negative"
+        raise ValueError(f"{type(transform).__name__} mixes the batch's labels, but the batch has samples without "
+                         f"a label (-1, at places {torch.nonzero(labels < 0).flatten().tolist()} of the batch)")
     with _global_rng_from(generator):
         result = transform(images, labels)
     if not (isinstance(result, (tuple, list)) and len(result) == 2
