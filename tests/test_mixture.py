@@ -189,6 +189,13 @@ def test_a_damaged_sample_is_named_by_its_source_and_its_index_there(tmp_path, s
     with pytest.raises(pf.CorruptSampleError) as raised:
         list(loader)
     assert raised.value.path.endswith("damaged.zip") and raised.value.index == 3 and raised.value.key == "s2/3"
+    # left out, it is named so too: its source's file, its index there (what return_index gives), its key
+    loader = pf.make_loader(pf.Mixture({sources[1]: 1, damaged: 1}), batch_size=4, num_workers=0, on_error="skip",
+                            return_index=True)
+    with pytest.warns(pf.SkippedSampleWarning, match=r"damaged\.zip: skipped 1 .*\[sample index 3, key 's2/3'\]"):
+        delivered = [tuple(p) for _, _, index in loader for p in index.tolist()]
+    left_out = {(os.path.basename(s.path), s.index, s.key) for s in loader.skipped}
+    assert left_out == {("damaged.zip", 3, "s2/3")} and (1, 3) not in delivered  # as often as it was drawn
 
 
 def test_sources_that_give_batches_of_other_kinds_are_refused_by_name(tmp_path, sources):

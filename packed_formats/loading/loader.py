@@ -410,9 +410,12 @@ class PackedLoader:
 
     def _warn(self, skipped: Sequence[Skipped]) -> None:
         self.skipped.extend(skipped)
-        where = "; ".join(f"[sample index {s.index}, key {s.key!r}] {s.problem}" for s in skipped)
+        one_file = len({s.path for s in skipped}) == 1  # else (a mixture's sources) each says its own
+        where = "; ".join(f"[{'' if one_file else f'{s.path}, '}sample index {s.index}, key {s.key!r}] {s.problem}"
+                          for s in skipped)
+        source = skipped[0].path if one_file else f"{len({s.path for s in skipped})} files"
         warnings.warn(
-            SkippedSampleWarning(f"{skipped[0].path}: skipped {len(skipped)} bad sample(s) of a batch: {where}"),
+            SkippedSampleWarning(f"{source}: skipped {len(skipped)} bad sample(s) of a batch: {where}"),
             stacklevel=4,
         )
 

@@ -36,7 +36,7 @@ from . import device_decode
 from .device_decode import EncodedBatch
 from .field_batches import BatchFields, Where, apply_per_sample
 from .image_lists import join
-from .mixture import raw_reads
+from .mixture import mixture_of, raw_reads
 from .sampling import BatchPlan, batch_seed, seed_globals
 from .slots import BatchSlots
 
@@ -586,6 +586,10 @@ class BatchReader(torch.utils.data.Dataset):
         buffer.numpy()[j] = pixels
 
     def _skipped(self, exc: CorruptSampleError, i: int) -> Skipped:
+        """What was left out: a mixture's sample by its source's file and its index and key there (as
+        its error says, and ``return_index`` gives it), any other by the archive's."""
+        if exc.path is not None and exc.index is not None and mixture_of(self.reader) is not None:
+            return Skipped(exc.path, exc.index, exc.key or self.reader.key(i), exc.problem)
         return Skipped(self.reader.path, i, self.reader.key(i), exc.problem)
 
 
