@@ -40,6 +40,34 @@ def test_a_gather_returns_the_rows_at_their_positions_in_the_asked_order(tmp_pat
     mapping.close()
 
 
+@pytest.mark.parametrize("gap", [0, 51], ids=["rows-touch", "rows-apart"])
+def test_a_gather_of_evenly_spaced_rows_copies_the_rows_not_the_map(tmp_path, gap):
+    """numpy.take makes a view whose rows lie apart (a ZIP's members, each after its header) contiguous
+    first: a copy of the whole map for each batch (a raw ZIP of 576 MiB read 2,400 images/s)."""
+    import tracemalloc
+
+    nbytes, count = 50_000, 200
+    positions = np.arange(count) * (nbytes + gap) + 7
+    path = tmp_path / "rows.bin"
+    rows = write_rows(path, positions, nbytes)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        mapping = mapped.MappedRows.of(fd, positions, nbytes)
+    finally:
+        os.close(fd)
+    assert mapping.even == (count, nbytes + gap, 7)
+    idx, out = np.array([199, 3, 3, 150]), np.zeros((4, nbytes), dtype=np.uint8)
+    tracemalloc.start()
+    try:
+        mapping.gather(idx, out)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    np.testing.assert_array_equal(out, rows[idx])
+    assert peak < count * nbytes // 20, f"the gather allocated {peak} bytes for a batch of {out.nbytes}"
+    mapping.close()
+
+
 def test_no_map_when_a_row_lies_past_the_end_of_the_file(tmp_path):
     path = tmp_path / "short.bin"
     write_rows(path, [0, 10, 20], 10, size=25)

@@ -3,14 +3,19 @@
 Once a process has touched the pages, a shuffled batch is gathered from a
 mapped file as fast as from ordinary memory.  Evenly spaced rows (memmap
 archives by definition; ZIP archives written here, whose equal member names
-make equal local headers; contiguous HDF5 datasets) are one strided view, and
-a batch is one ``numpy.take`` (``mode="clip"``, the indices being checked
-already; the default mode buffers the whole batch): a ``memcpy`` per row,
-with the GIL released, so that threads gather side by side.  Measured on a
-2-core machine, batches of 64 samples of 3x256x256 from a warm 384 MiB
-archive in one thread: ``numpy.take`` 44-47k samples/s, ``torch.index_select``
-39k (its copy loop is slower than glibc's ``memcpy``, and two threads calling
-it got no faster than one), one ``pread`` per sample slower still.  Samples
+make equal local headers; contiguous HDF5 datasets) are one strided view.
+Rows that touch (memmap, HDF5) are a batch of one ``numpy.take``
+(``mode="clip"``, the indices being checked already; the default mode buffers
+the whole batch): a ``memcpy`` per row, with the GIL released, so that
+threads gather side by side.  Measured on a 2-core machine, batches of 64
+samples of 3x256x256 from a warm 384 MiB archive in one thread:
+``numpy.take`` 44-47k samples/s, ``torch.index_select`` 39k (its copy loop is
+slower than glibc's ``memcpy``, and two threads calling it got no faster
+than one), one ``pread`` per sample slower still.  Rows apart (a ZIP's member
+headers between them) are copied one by one, each a ``memcpy`` with the GIL
+released: ``numpy.take`` makes a view that is not contiguous contiguous
+first, a copy of the whole map for each batch (2,400 samples/s from a 576 MiB
+ZIP, where the copies per row read 61-73k).  Samples
 at uneven positions (HDF5 chunks, other ZIPs) are gathered with one
 ``torch.cat`` of their slices where the process has imported torch (a
 DataLoader, ``PackedDataset``), else a loop of slice copies: reading batches
@@ -128,7 +133,11 @@ class MappedRows:
         if self.even is not None:
             count, step, start = self.even
             rows = np.lib.stride_tricks.as_strided(self.data[start:], (count, n), (step, 1), writeable=False)
-            np.take(rows, idx, axis=0, out=target, mode="clip")  # "raise" would buffer the batch
+            if step == n:  # rows that touch: one take
+                np.take(rows, idx, axis=0, out=target, mode="clip")  # "raise" would buffer the batch
+                return
+            for j, i in enumerate(idx.tolist()):  # rows apart: take would copy the whole map to make them touch
+                target[j] = rows[i]
             return
         assert self.positions is not None
         if torch_imported():
