@@ -12,8 +12,7 @@
   process without skipping the copy.  (Earlier versions gathered every batch
   into one buffer, which a batch of 12.6 MB (64 of 3x256x256) fits in the
   32 MB processor cache of the 2-core machine: 1.1-1.6x the rate into two,
-  made by the cache, not the copy, and a limit that loaders passed at batches
-  of 256, which fit in no cache; the report still gives it as ``one buffer``.
+  made by the cache, not the copy; the report still gives it as ``one buffer``.
   Before that, ``index_select`` alone, and a single ``numpy.take``, each of
   which made every loader look closer to the limit than it is.)
 - bare decode rate (encoded): decoding the archive's own bytes (the first

@@ -263,7 +263,7 @@ class _Bounds:
             return None
         key = (tuple(target["shape"]), target["count"])
         if key != self._key:
-            self.__exit__()
+            self.close()
             self._key, self._bound = key, references.BoundBeside(
                 target["shape"], target["count"], self.config.batch_size, self.config.warmup, BESIDE_SECONDS,
                 max(BESIDE_SECONDS, self.config.reference_seconds))
@@ -273,6 +273,9 @@ class _Bounds:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
         if self._bound is not None:
             self._bound.close()
         self._key, self._bound = None, None
