@@ -132,12 +132,11 @@ class MappedRows:
         n, target = self.nbytes, out.reshape(len(idx), self.nbytes)
         if self.even is not None:
             count, step, start = self.even
-            rows = np.lib.stride_tricks.as_strided(self.data[start:], (count, n), (step, 1), writeable=False)
             if step == n:  # rows that touch: one take
+                rows = np.lib.stride_tricks.as_strided(self.data[start:], (count, n), (step, 1), writeable=False)
                 np.take(rows, idx, axis=0, out=target, mode="clip")  # "raise" would buffer the batch
-                return
-            for j, i in enumerate(idx.tolist()):  # rows apart: take would copy the whole map to make them touch
-                target[j] = rows[i]
+            else:  # rows apart: take would copy the whole map to make them touch
+                self._copy_each(start + idx.astype(np.int64) * step, target)
             return
         assert self.positions is not None
         if torch_imported():
@@ -146,7 +145,13 @@ class MappedRows:
             flat = self._tensors()
             torch.cat([flat[p : p + n] for p in self.positions[idx].tolist()], out=torch.from_numpy(out).view(-1))
             return
-        for j, p in enumerate(self.positions[idx].tolist()):
+        self._copy_each(self.positions[idx], target)
+
+    def _copy_each(self, starts: np.ndarray, target: np.ndarray) -> None:
+        """target[j] = the row at byte ``starts[j]``: a copy (a ``memcpy``, the GIL released) per row."""
+        assert self.data is not None, "gather after close()"
+        n = self.nbytes
+        for j, p in enumerate(starts.tolist()):
             target[j] = self.data[p : p + n]
 
     def check_size(self) -> None:

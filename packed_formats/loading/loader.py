@@ -410,10 +410,10 @@ class PackedLoader:
 
     def _warn(self, skipped: Sequence[Skipped]) -> None:
         self.skipped.extend(skipped)
-        one_file = len({s.path for s in skipped}) == 1  # else (a mixture's sources) each says its own
-        where = "; ".join(f"[{'' if one_file else f'{s.path}, '}sample index {s.index}, key {s.key!r}] {s.problem}"
-                          for s in skipped)
-        source = skipped[0].path if one_file else f"{len({s.path for s in skipped})} files"
+        files = {s.path for s in skipped}  # more than one: a mixture's sources, each entry says its own
+        where = "; ".join(f"[{'' if len(files) == 1 else f'{s.path}, '}sample index {s.index}, key {s.key!r}] "
+                          f"{s.problem}" for s in skipped)
+        source = skipped[0].path if len(files) == 1 else f"{len(files)} files"
         warnings.warn(
             SkippedSampleWarning(f"{source}: skipped {len(skipped)} bad sample(s) of a batch: {where}"),
             stacklevel=4,
