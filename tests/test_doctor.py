@@ -11,7 +11,7 @@ import tempfile
 import pytest
 
 import packed_formats as pf
-from packed_formats import cli
+from packed_formats import cli, native
 from packed_formats.doctor import (
     advise,
     filesystem_kind,
@@ -21,7 +21,7 @@ from packed_formats.doctor import (
     suggested_num_workers,
 )
 
-REPORT_KEYS = {"path", "filesystem", "archive", "cpu", "jpeg", "shm", "memory", "torch", "tempdir", "advice"}
+REPORT_KEYS = {"path", "filesystem", "archive", "cpu", "jpeg", "pixels", "shm", "memory", "torch", "tempdir", "advice"}
 
 
 def write_mounts(tmp_path, *entries) -> str:
@@ -239,3 +239,22 @@ def test_doctor_on_a_raw_archive_leaves_the_decoder_unchecked_and_says_so(archiv
 
 def test_doctor_on_an_encoded_archive_checks_the_decoder(archives):
     assert isinstance(pf.diagnose(archives[("zip", "encoded")])["jpeg"]["torchvision_decode_jpeg"], bool)
+
+
+@pytest.mark.parametrize("built", [True, False])
+def test_doctor_says_what_parts_channels_and_warns_for_a_raw_archive_without_the_c_module(archives, capsys,
+                                                                                          monkeypatch, built):
+    if not built:
+        monkeypatch.setattr(native, "_pixels", None)
+    elif native.planar_copy() != "native":
+        pytest.skip("the C module is not built here")
+    for kind, level in ((("memmap", "raw"), "warning"), (("zip", "encoded"), "info")):
+        report = pf.diagnose(archives[kind])
+        assert report["pixels"] == {"channels_parted_by": "native" if built else "numpy"}
+        advice = [item for item in report["advice"] if item["topic"] == "pixels"]
+        assert advice == [] if built else [item["level"] for item in advice] == [level]
+        if not built:
+            assert "pip install --no-deps --force-reinstall ." in advice[0]["message"]
+    assert cli.main(["doctor", archives[("memmap", "raw")]]) == 0
+    out = capsys.readouterr().out
+    assert ("by the C module" if built else "by numpy: the C module is not built") in out

@@ -19,9 +19,11 @@ from pathlib import Path
 
 import pytest
 
+from .test_pixels import can_build_c
+
 ROOT = Path(__file__).resolve().parent.parent
 # a part of the quick tier that needs the test helpers, the tools and the notebooks' neighbours
-SDIST_TESTS = ["tests/test_registry.py", "tests/test_cli.py", "tests/test_manifest_text.py"]
+SDIST_TESTS = ["tests/test_pixels.py", "tests/test_registry.py", "tests/test_cli.py", "tests/test_manifest_text.py"]
 
 
 def build(kind: str, source: Path, outdir: Path) -> Path:
@@ -38,7 +40,7 @@ def build(kind: str, source: Path, outdir: Path) -> Path:
 def clean_copy(destination: Path) -> Path:
     """A copy of the checkout without what builds and runs leave in it: setuptools would take an
     old ``*.egg-info``'s file list for the sdist's, hiding what MANIFEST.in lacks."""
-    left_behind = shutil.ignore_patterns(".git", ".venv", "*.egg-info", "build", "dist", "__pycache__",
+    left_behind = shutil.ignore_patterns(".git", ".venv", "*.egg-info", "build", "dist", "__pycache__", "*.so",
                                          ".*_cache", "demo_data", "bench_data", "bench_results")
     return Path(shutil.copytree(ROOT, destination, ignore=left_behind))
 
@@ -78,6 +80,8 @@ def test_the_wheel_built_from_the_sdist_carries_py_typed_and_the_license(unpacke
     assert any(name.endswith(".dist-info/licenses/LICENSE") or name.endswith(".dist-info/LICENSE")
                for name in names), names
     assert not any(name.startswith("tests/") for name in names)
+    if can_build_c():  # the C module that parts channels, built from the sdist's source
+        assert any(name.startswith("packed_formats/_pixels.") and name.endswith((".so", ".pyd")) for name in names)
 
 
 @pytest.mark.slow
@@ -104,6 +108,7 @@ import packed_formats as pf
 from packed_formats.synthetic import make_image_folder
 
 assert os.path.dirname(pf.__file__).startswith(sys.prefix), pf.__file__  # the installed wheel, not a checkout
+assert pf.native.planar_copy() == os.environ["EXPECT_PLANAR_COPY"], pf.native.planar_copy()
 work = tempfile.mkdtemp()
 src = make_image_folder(os.path.join(work, "src"), images_per_class=4, classes=("a", "b"), sizes=(20, 30), seed=0)
 cli = [os.path.join(os.path.dirname(sys.executable), "packed-formats")]
@@ -146,6 +151,7 @@ def test_the_wheel_installed_in_a_fresh_venv_passes_the_smoke(unpacked_sdist, tm
     script.write_text(f"#!{python}\nimport sys\nfrom packed_formats.cli import main\nsys.exit(main())\n")
     script.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["EXPECT_PLANAR_COPY"] = "native" if can_build_c() else "numpy"
     done = subprocess.run([str(python), "-c", SMOKE], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0 and "smoke ok" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]

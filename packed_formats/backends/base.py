@@ -31,6 +31,7 @@ from ..manifest import ArchiveManifest
 from .files import DAMAGED_HINT, Identity, file_identity
 
 if TYPE_CHECKING:  # FormatSpec names the Writer class; writer.py imports this module
+    from .mapped import MappedRows
     from .writer import Writer
 
 Blob = Any  # bytes, memoryview or a 1-D uint8 numpy array
@@ -106,6 +107,11 @@ class Backend(abc.ABC, Generic[H]):
         """The stored bytes of field ``name`` of sample i, unchecked (formats that store fields override this)."""
         raise CorruptArchiveError(self.path, f"the {self.format_name} format stores no fields, yet the manifest "
                                              f"declares them", hint=DAMAGED_HINT)
+
+    def rows_of(self, handle: H) -> "Optional[MappedRows]":
+        """A raw archive's samples as rows of a map of its file (see mapped.py), where the format keeps them
+        so and the file holds them; None otherwise (the format's own reads then)."""
+        return None
 
     def read_batch(self, handle: H, idx: np.ndarray, out: np.ndarray) -> None:
         """Fill out[j] with raw sample idx[j] as stored (``out``: [B] + ``stored_shape``, its bytes copied

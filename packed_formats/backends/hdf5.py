@@ -387,9 +387,13 @@ class HDF5Backend(Backend[HDF5Handle]):
             raise self.corrupt(f"its {n} bytes at offset {offset} lie past the end of the file", i)
         return data
 
+    def rows_of(self, handle: HDF5Handle) -> "Optional[mapped.MappedRows]":
+        handle.check_size()  # a closed handle says so here
+        return handle.mapped_rows(self.image_positions, self.sample_nbytes)
+
     def read_batch(self, handle: HDF5Handle, idx: np.ndarray, out: np.ndarray) -> None:
         handle.check_size()
-        rows = handle.mapped_rows(self.image_positions, self.sample_nbytes) if out.flags.c_contiguous else None
+        rows = self.rows_of(handle) if out.flags.c_contiguous else None
         if rows is not None:
             rows.gather(idx, out)
             return

@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING, Optional, Tuple
 
 import numpy as np
 
+from .. import native
+
 if TYPE_CHECKING:
     import torch
 
@@ -136,16 +138,31 @@ class MappedRows:
                 rows = np.lib.stride_tricks.as_strided(self.data[start:], (count, n), (step, 1), writeable=False)
                 np.take(rows, idx, axis=0, out=target, mode="clip")  # "raise" would buffer the batch
             else:  # rows apart: take would copy the whole map to make them touch
-                self._copy_each(start + idx.astype(np.int64) * step, target)
+                self._copy_each(self.starts(idx), target)
             return
-        assert self.positions is not None
         if torch_imported():
             import torch
 
             flat = self._tensors()
-            torch.cat([flat[p : p + n] for p in self.positions[idx].tolist()], out=torch.from_numpy(out).view(-1))
+            torch.cat([flat[p : p + n] for p in self.starts(idx).tolist()], out=torch.from_numpy(out).view(-1))
             return
-        self._copy_each(self.positions[idx], target)
+        self._copy_each(self.starts(idx), target)
+
+    def starts(self, idx: np.ndarray) -> np.ndarray:
+        """The byte in the map where each row idx[j] starts (int64)."""
+        if self.even is not None:
+            _, step, start = self.even
+            return start + idx.astype(np.int64) * step
+        assert self.positions is not None
+        return self.positions[idx]
+
+    def gather_moved(self, idx: np.ndarray, out: np.ndarray, places: np.ndarray, planar: bool) -> None:
+        """out[places[j]] = row idx[j], an image, its channels parted (``planar``: H x W x C rows into ``out``
+        [R, C, H, W]) or joined (C x H x W rows into [R, H, W, C]): one call of the C module for the batch
+        (``native.gather``, which needs it built and ``out`` C-contiguous)."""
+        self.check_size()
+        assert self.data is not None, "gather after close()"
+        native.gather(self.data, self.starts(idx), out, places, planar)
 
     def _copy_each(self, starts: np.ndarray, target: np.ndarray) -> None:
         """target[j] = the row at byte ``starts[j]``: a copy (a ``memcpy``, the GIL released) per row."""

@@ -229,6 +229,9 @@ class MemmapBackend(Backend[MappedNpy]):
             raise self.corrupt(f"field {name!r}: bytes {start}:{start + size} lie outside its {len(values)}", i)
         return values[start : start + size]
 
+    def rows_of(self, handle: MappedNpy) -> Optional[mapped.MappedRows]:
+        return handle.rows
+
     def read_batch(self, handle: MappedNpy, idx: np.ndarray, out: np.ndarray) -> None:
         if handle.rows is None or not out.flags.c_contiguous:
             handle.check_size()

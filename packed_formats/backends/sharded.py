@@ -91,6 +91,7 @@ from ..errors import (
 from ..handles import ProcessLocal
 from ..index import JoinedArray, SampleIndex, by_part, field_array, part_of
 from ..manifest import ArchiveManifest, canonical_json, part_of_set
+from ..native import to_planar
 from .base import Backend, FormatSpec, Handle, WriteTransaction
 from .files import publish, remove_path, temp_path_for
 from .reader import Reader
@@ -449,15 +450,19 @@ class ShardedBackend(Backend[ShardedHandle]):
         if part.mode != "raw" or part.manifest.raw_layout == self.manifest.raw_layout:
             return part.read_bytes(j)
         pixels = cast(np.ndarray, part.read(j))  # H x W x C
-        return np.ascontiguousarray(pixels.transpose(2, 0, 1) if self.manifest.raw_layout == "chw" else pixels
-                                    ).tobytes()
+        if self.manifest.raw_layout == "chw":
+            h, w, c = pixels.shape
+            pixels = to_planar(pixels, np.empty((c, h, w), np.uint8))
+        return np.ascontiguousarray(pixels).tobytes()
 
     def read_batch(self, handle: ShardedHandle, idx: np.ndarray, out: np.ndarray) -> None:
         for p, mask, local in by_part(self.starts, idx):
             with self._part(p) as part:
                 if part.manifest.raw_layout != self.manifest.raw_layout:  # a Mixture's source of another layout
                     pixels = cast(np.ndarray, part.read_many(local))
-                    out[mask] = pixels.transpose(0, 3, 1, 2) if self.manifest.raw_layout == "chw" else pixels
+                    if self.manifest.raw_layout == "chw":
+                        pixels = to_planar(pixels, np.empty((len(local),) + out.shape[1:], np.uint8))
+                    out[mask] = pixels
                 elif mask.all():
                     part.read_many_stored(local, out=out)
                 else:

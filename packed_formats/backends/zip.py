@@ -406,12 +406,15 @@ class ZipBackend(Backend[ZipHandle]):
             raise self.corrupt(f"field {name!r}: read {len(data)} of {size} bytes: the file is truncated", i)
         return data
 
+    def rows_of(self, handle: ZipHandle) -> "Optional[mapped.MappedRows]":
+        return handle.mapped_rows(self.positions, self.sample_nbytes)
+
     def read_batch(self, handle: ZipHandle, idx: np.ndarray, out: np.ndarray) -> None:
         """One gather from the mapped file (see mapped.py); one ``pread`` per sample into a
         non-contiguous ``out``, or when the file is shorter than its index says."""
         handle.check_size()
         size = self.sample_nbytes
-        rows = handle.mapped_rows(self.positions, size) if out.flags.c_contiguous else None
+        rows = self.rows_of(handle) if out.flags.c_contiguous else None
         if rows is not None:
             rows.gather(idx, out)
             return

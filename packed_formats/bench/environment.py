@@ -6,6 +6,7 @@ import os
 import platform
 from typing import Dict, List, Optional, Tuple
 
+from .. import native
 from ..space import archive_files
 from ..writing.parallel import available_cores
 
@@ -120,6 +121,7 @@ def describe_environment(device: str = "cpu") -> Dict[str, object]:
         "cpus": cpu_count(),
         "versions": versions(),
         "jpeg": jpeg_support(),
+        "channels_parted_by": native.planar_copy(),  # the C module, or numpy where it did not build
         "device": device,
         "gpu": gpu(device),
     }

@@ -142,6 +142,9 @@ def _grid(rows: List[List[str]], header: List[str]) -> List[str]:
     return [line(header), line(["-" * w for w in widths])] + [line(r) for r in rows]
 
 
+CHANNELS_PARTED_BY = {"native": "the C module", "numpy": "numpy (the C module is not built: ~3x slower)"}
+
+
 def format_table(results: Dict[str, Any]) -> str:
     """The whole report as text: runs, references, targets on disk, goals, notes."""
     config, env = results["config"], results["environment"]
@@ -153,7 +156,8 @@ def format_table(results: Dict[str, Any]) -> str:
         f"{'shuffled' if config['shuffle'] else 'in order'}",
         f"environment: {env['cpus']['usable'] or env['cpus']['logical']} CPUs, torch {env['versions']['torch']}, "
         f"torchvision {env['versions']['torchvision']}, libjpeg-turbo in Pillow: "
-        f"{'yes' if env['jpeg']['pillow_libjpeg_turbo'] else 'no'}",
+        f"{'yes' if env['jpeg']['pillow_libjpeg_turbo'] else 'no'}, channels parted by "
+        f"{CHANNELS_PARTED_BY.get(env.get('channels_parted_by', ''), 'an unknown copy')}",
         _device_line(env),
         f"img/s = median over epochs; memory = peak {_memory_metric(results).upper()} of the main process / "
         "sum over worker processes",

@@ -62,8 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", type=_size, metavar="N|HxW", help="resize to this size (required for raw)")
     parser.add_argument("--resize-mode", choices=RESIZE_MODES, default="stretch", help="how to resize for --size")
     parser.add_argument("--raw-layout", choices=RAW_LAYOUTS, default="hwc",
-                        help="how --mode raw stores pixels: hwc (interleaved, default) or chw (planar: the loader's "
-                             "default NCHW batches are then a plain copy; keep hwc for channels_last training)")
+                        help="how --mode raw stores pixels: hwc (interleaved, default) or chw (planar). Either reads "
+                             "into NCHW or channels_last batches at copy speed where the package's C module is "
+                             "built (packed-formats doctor says); without it, chw for NCHW training")
     parser.add_argument("--boxes", action="append", metavar="NAME=FORMAT", default=[],
                         help="an array field of boxes (XYXY, XYWH or CXCYWH, in the source image's pixels) that "
                              "--size moves, scales and clamps with the image; repeatable")

@@ -17,8 +17,9 @@ examples:
 
 It reports the file system (Lustre, GPFS, NFS, local, tmpfs, overlay) with staging
 advice, usable CPUs and a suggested num_workers, libjpeg-turbo in Pillow and
-torchvision, /dev/shm against worker batches, free memory against the archive
-size, and torch/CUDA versions.
+torchvision, whether the C module that parts an image's channels was built,
+/dev/shm against worker batches, free memory against the archive size, and
+torch/CUDA versions.
 """
 
 

@@ -26,6 +26,7 @@ from ..backends.reader import Reader
 from ..errors import ArchiveNotFoundError, PackedFormatError, SampleIndexError, note_fields
 from ..handles import ProcessLocal
 from ..index import SampleIndex, decode_key
+from ..native import to_planar
 from ..tracebacks import drops_frames
 from . import sample_fields, targets, temp_dir
 from .mixture import Mixture
@@ -353,7 +354,8 @@ class PackedDataset(torch.utils.data.Dataset):
             raise self.reader.sample_error(i, str(exc)) from None
         if output == "numpy":
             return np.array(pixels, copy=True) if not pixels.flags.writeable else pixels
-        return torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1)))
+        h, w, c = pixels.shape
+        return torch.from_numpy(to_planar(pixels, np.empty((c, h, w), np.uint8)))
 
     def _channels(self) -> int:
         shape = self.reader.manifest.shape

@@ -200,8 +200,9 @@ def convert(
         raw_layout: how a raw archive stores each image's pixels: "hwc" (interleaved, the default: what
             archives have always held, read by every packed_formats and shown as [N,H,W,C] by standard
             tools) or "chw" (planar: a loader's default contiguous NCHW batch is then a plain copy of
-            the stored bytes, ~3x faster to read than a transpose; channels_last batches pay the
-            transpose instead).  Only for mode="raw".
+            the stored bytes).  With the package's C module built, either layout reads into either
+            memory format at the speed of a copy; without it, moving the channels costs ~3x the copy
+            (numpy), and "chw" is worth it for NCHW training.  Only for mode="raw".
 
     Raises:
         PackedFormatError (bad source, destination inside the source or
