@@ -16,12 +16,13 @@ import torch
 from PIL import Image
 
 import packed_formats as pf
+from packed_formats import native
 from packed_formats.bench import BenchConfig, format_table, run_benchmark
 from packed_formats.bench.environment import archive_paths, filesystem_type
 from packed_formats.bench.measure import MemorySampler, time_epoch
 from packed_formats.bench.pagecache import evict, resident_bytes, warm
 from packed_formats.bench.references import bare_decode_rate, copy_bound_rate
-from packed_formats.bench.report import add_ratios, rate
+from packed_formats.bench.report import CHANNELS_PARTED_BY, add_ratios, rate
 from packed_formats.bench.runner import DEVICE_DECODE, build_loader, describe_target
 from packed_formats.bench.tensordict_memmap import TutorialMemmapData, TutorialRandomCrop, TutorialRandomHFlip
 from packed_formats.cli import main
@@ -141,6 +142,8 @@ def test_report_states_environment_sizes_and_memory(cli_run, archives):
     env = results["environment"]
     assert env["cpus"]["logical"] >= 1 and env["versions"]["torch"] == torch.__version__
     assert isinstance(env["jpeg"]["pillow_libjpeg_turbo"], bool)
+    assert env["channels_parted_by"] == native.planar_copy()  # the figures of raw NCHW batches depend on it
+    assert f"channels parted by {CHANNELS_PARTED_BY[native.planar_copy()]}" in format_table(results)
     for target in results["targets"]:
         assert target["size"]["bytes_on_disk"] > 0 and target["size"]["files"] >= 1
         assert target["filesystem"] == filesystem_type(target["path"])
@@ -301,7 +304,13 @@ def test_a_raw_run_is_measured_against_the_limit_measured_beside_each_of_its_epo
     path = archives[("memmap", "raw")]
     config = BenchConfig(workers=(0,), batch_size=8, epochs=3, warmup=1, tensordict_baseline=False,
                          reference_seconds=0.1)
-    results = run_benchmark([path, archives[("zip", "encoded")]], config, log=lambda _: None)
+    # a child the program had before (a fork server, a pool another part of it left) is not the loader's
+    before = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        results = run_benchmark([path, archives[("zip", "encoded")]], config, log=lambda _: None)
+    finally:
+        before.kill()
+        before.wait()
     raw, encoded = results["runs"]
     assert raw["error"] is None and encoded["error"] is None
     ways = {"torch.index_select", *(f"numpy.take in {torch.get_num_threads()} thread(s), {how}"
@@ -313,7 +322,7 @@ def test_a_raw_run_is_measured_against_the_limit_measured_beside_each_of_its_epo
     assert beside["spans"] == 3 and beside["images_per_s"] == max(medians.values()) == medians[beside["way"]]
     assert raw["limit"]["beside_epochs"] and raw["ratios"]["vs_limit"] == rate(raw) / beside["images_per_s"]
     assert "beside each epoch" in format_table(results)
-    # the limit's own process is not counted as the loader's, and has ended
+    # neither that child nor the limit's own process is counted as the loader's, and the limit's has ended
     assert raw["memory"]["child_processes_seen"] == 0
     assert "limit_beside" not in encoded and all("beside" not in e for e in encoded["epochs"])
     mine = [p for p in psutil.Process().children(recursive=True) if "serve_bound" in " ".join(p.cmdline())]

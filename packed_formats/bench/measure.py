@@ -62,6 +62,16 @@ def read_pss(pid: int) -> Optional[int]:
     return None
 
 
+def child_pids() -> set:
+    """The process ids of this process's children now (a loader's are those that come after)."""
+    import psutil
+
+    try:
+        return {child.pid for child in psutil.Process().children(recursive=True)}
+    except psutil.Error:
+        return set()
+
+
 class MemorySampler:
     """Samples the memory of this process and of its child processes in a background thread.
 
@@ -82,7 +92,8 @@ class MemorySampler:
 
     def __init__(self, interval: float = 0.05, ignore: Iterable[Optional[int]] = ()) -> None:
         self.interval = interval
-        self.ignore = set(ignore)  # child processes that are not the loader's (a reference measured beside it)
+        self.ignore = set(ignore)  # child processes that are not the loader's (a reference measured beside it,
+        # processes this one had before the loader: a fork server or a pool another part of the program left)
         self.last_cost = 0.0
         self.metric = "pss" if read_pss(os.getpid()) is not None else "rss"
         self.peak_main = 0
@@ -236,8 +247,9 @@ def time_loader(
     """
     records = []
     warmed = warm(warm_path) if warm_path and not cold_path else None
+    others = child_pids() | ({beside.pid} if beside is not None else set())  # processes before the loader's
     loader: Optional[Iterable] = None if cold_path else make_loader()
-    with MemorySampler(ignore=() if beside is None else (beside.pid,)) as sampler:
+    with MemorySampler(ignore=others) as sampler:
         for epoch in range(epochs):
             eviction = None
             if cold_path:
