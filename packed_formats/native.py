@@ -78,10 +78,13 @@ def gather(data: np.ndarray, starts: np.ndarray, out: np.ndarray, places: np.nda
 
 
 def _copy(src: np.ndarray, out: np.ndarray, planar: bool) -> np.ndarray:
+    """``to_planar`` (``planar``) or ``to_interleaved``: the shapes checked, then the C module or numpy."""
+    if src.ndim < 3 or src.ndim != out.ndim:
+        raise ValueError(f"cannot copy {src.shape} into {out.shape}: images of three axes, as many in both")
     axes = src.ndim - 3
     src_image, out_image = src.shape[axes:], out.shape[axes:]
     moved = (src_image[2], src_image[0], src_image[1]) if planar else (src_image[1], src_image[2], src_image[0])
-    if src.ndim != out.ndim or src.shape[:axes] != out.shape[:axes] or out_image != moved:
+    if src.shape[:axes] != out.shape[:axes] or out_image != moved:
         raise ValueError(f"cannot copy {src.shape} into {out.shape} with its channels "
                          f"{'parted' if planar else 'joined'}")
     channels = src_image[2] if planar else src_image[0]

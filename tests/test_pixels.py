@@ -60,10 +60,12 @@ def test_views_that_are_not_contiguous_are_copied_right(path):
     np.testing.assert_array_equal(out, pixels[::-1])
 
 
-@pytest.mark.parametrize("out_shape", [(3, 5, 8), (5, 7, 3), (1, 3, 5, 7), (3, 7, 5)])
+@pytest.mark.parametrize("out_shape", [(3, 5, 8), (5, 7, 3), (1, 3, 5, 7), (3, 7, 5), (35, 3)])
 def test_a_shape_that_does_not_match_is_refused(path, out_shape):
     with pytest.raises(ValueError, match="cannot copy"):
         native.to_planar(np.zeros((5, 7, 3), np.uint8), np.zeros(out_shape, np.uint8))
+    with pytest.raises(ValueError, match="images of three axes"):
+        native.to_interleaved(np.zeros((5, 7), np.uint8), np.zeros((7, 5), np.uint8))
 
 
 @pytest.mark.skipif(not BUILT, reason="the C module is not built here")
