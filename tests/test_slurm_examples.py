@@ -194,7 +194,9 @@ def test_batch_script_passes_sigusr1_on_and_the_job_resumes(archives, tmp_path, 
     env["CHECKPOINT"] = str(tmp_path / "checkpoint.pt")
     env["STOP_FILE"] = str(tmp_path / "stop")
     command = ["bash", os.path.join(EXAMPLES, script), archives[("zip", "raw")], *TRAIN_OPTIONS]
-    stopped = signal_when_ready(command, env, lambda p: p.send_signal(signal.SIGUSR1))
+    # paced to outlast the signal: the multi-GPU script passes it on as a stop file, looked for once a second,
+    # and unpaced the 12 steps took ~70 ms (the run once ended, both epochs done, before the file was seen)
+    stopped = signal_when_ready([*command, "--pace", "0.5"], env, lambda p: p.send_signal(signal.SIGUSR1))
     assert stopped.returncode == 0, stopped.stderr
     epoch, batches = saved_at(stopped.stdout)
     assert (tmp_path / "scontrol.log").read_text() == "requeue 77\n"
