@@ -54,10 +54,12 @@ def planar_copy() -> str:
     return "numpy" if _pixels is None else "native"
 
 
-def to_planar(pixels: np.ndarray, out: np.ndarray) -> np.ndarray:
+def to_planar(pixels: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
     """``out`` [..., C, H, W] = ``pixels`` [..., H, W, C] (uint8): each image's channels parted in one
     pass, natively where both arrays are C-contiguous (a sample of a map and a row of a contiguous
-    batch are), else numpy's transposing copy."""
+    batch are), else numpy's transposing copy.  Without ``out``, into a new array."""
+    if out is None:
+        out = np.empty(pixels.shape[:-3] + (pixels.shape[-1],) + pixels.shape[-3:-1], np.uint8)
     return _copy(pixels, out, planar=True)
 
 

@@ -44,6 +44,7 @@ def test_channels_are_parted_and_joined_as_numpy_transposes_them(path, shape):
     planar = np.full(shape[:-3] + (shape[-1], shape[-3], shape[-2]), 7, np.uint8)
     assert native.to_planar(pixels, planar) is planar
     np.testing.assert_array_equal(planar, np.moveaxis(pixels, -1, -3))
+    np.testing.assert_array_equal(native.to_planar(pixels), planar)  # into a new array
     back = np.zeros_like(pixels)
     assert native.to_interleaved(planar, back) is back
     np.testing.assert_array_equal(back, pixels)

@@ -450,19 +450,14 @@ class ShardedBackend(Backend[ShardedHandle]):
         if part.mode != "raw" or part.manifest.raw_layout == self.manifest.raw_layout:
             return part.read_bytes(j)
         pixels = cast(np.ndarray, part.read(j))  # H x W x C
-        if self.manifest.raw_layout == "chw":
-            h, w, c = pixels.shape
-            pixels = to_planar(pixels, np.empty((c, h, w), np.uint8))
-        return np.ascontiguousarray(pixels).tobytes()
+        return (to_planar(pixels) if self.manifest.raw_layout == "chw" else pixels).tobytes()
 
     def read_batch(self, handle: ShardedHandle, idx: np.ndarray, out: np.ndarray) -> None:
         for p, mask, local in by_part(self.starts, idx):
             with self._part(p) as part:
                 if part.manifest.raw_layout != self.manifest.raw_layout:  # a Mixture's source of another layout
                     pixels = cast(np.ndarray, part.read_many(local))
-                    if self.manifest.raw_layout == "chw":
-                        pixels = to_planar(pixels, np.empty((len(local),) + out.shape[1:], np.uint8))
-                    out[mask] = pixels
+                    out[mask] = to_planar(pixels) if self.manifest.raw_layout == "chw" else pixels
                 elif mask.all():
                     part.read_many_stored(local, out=out)
                 else:

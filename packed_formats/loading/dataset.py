@@ -354,8 +354,7 @@ class PackedDataset(torch.utils.data.Dataset):
             raise self.reader.sample_error(i, str(exc)) from None
         if output == "numpy":
             return np.array(pixels, copy=True) if not pixels.flags.writeable else pixels
-        h, w, c = pixels.shape
-        return torch.from_numpy(to_planar(pixels, np.empty((c, h, w), np.uint8)))
+        return torch.from_numpy(to_planar(pixels))
 
     def _channels(self) -> int:
         shape = self.reader.manifest.shape
